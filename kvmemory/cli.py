@@ -1,0 +1,112 @@
+"""``kvmemory`` command line: ``kvmemory demo`` runs the main job on the embedded model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(width=120)  # wide enough for the tables when piped
+
+
+def _budgets(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget takes comma-separated percentages, e.g. 2,5 (got {text!r})")
+    bad = [v for v in values if not 0 <= v <= 100]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"budgets are percentages in [0, 100] (got {text!r})")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmemory", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="edit an agent history in the middle and answer with every repair method")
+    demo.add_argument("--cases", type=int, default=1, help="number of questions (default 1)")
+    demo.add_argument("--budget", type=_budgets, default=[2.0, 5.0], help="SUR budgets in %% (default 2,5)")
+    demo.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
+    demo.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
+    demo.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
+    demo.add_argument("--passages", type=int, default=6, help="tool-result passages per case (default 6)")
+    demo.add_argument("--max-new-tokens", type=int, default=32, help="answer length limit (default 32)")
+    demo.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
+    demo.add_argument("--seed", type=int, default=0, help="case sampling seed")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "demo":
+        return run_demo(args)
+    return 2
+
+
+def run_demo(args) -> int:
+    from tqdm import tqdm
+
+    from .demo import aggregate, demo_policies, run_case, write_json
+    from .demo_cases import builtin_cases, default_data_dir, hotpot_cases
+    from .models import ModelNotFoundError, load_model
+    from .session import KVSession
+
+    if args.cases < 1:
+        console.print("[red]--cases must be at least 1[/red]")
+        return 2
+    try:
+        with console.status("loading model (the embedded model is converted once, ~30 s)"):
+            lm = load_model(args.model, args.dtype)
+    except ModelNotFoundError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 1
+    data_dir = args.data or default_data_dir()
+    if data_dir is not None:
+        cases = hotpot_cases(data_dir, args.cases, passages=args.passages, seed=args.seed)
+        source = f"HotpotQA ({data_dir})"
+    else:
+        cases, source = builtin_cases()[: args.cases], "built-in conversation (no data folder found)"
+    policies = demo_policies(args.budget)
+    session = KVSession(lm.model, lm.tokenizer)
+    console.print(f"model {lm.name} ({args.dtype}), {len(cases)} case(s) from {source}")
+    results = []
+    for case in tqdm(cases, desc="cases", disable=len(cases) < 2):
+        result = run_case(session, case, policies, args.max_new_tokens)
+        results.append(result)
+        if len(cases) == 1:
+            _print_case(result)
+    if len(cases) > 1:
+        _print_aggregate(aggregate(results), len(results))
+    if args.json:
+        meta = {"model": lm.name, "dtype": args.dtype, "source": source, "budgets": args.budget,
+                "passages": args.passages, "max_new_tokens": args.max_new_tokens}
+        write_json(args.json, meta, results)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _print_case(result) -> None:
+    console.print(f"\n[bold]Q:[/bold] {result.question}   [bold]gold:[/bold] {result.gold}")
+    console.print(f"prompt {result.prompt_tokens} tokens after deleting a {result.deleted_tokens}-token tool result")
+    table = Table("method", "= re-prefill", "first-token KL", "recomputed", "latency ms", "answer")
+    for m in result.methods:
+        table.add_row(m.method, "yes" if m.agrees else "no", f"{m.kl:.2e}", str(m.recomputed_tokens),
+                      f"{m.latency_ms:.0f}", m.answer.replace("\n", " ")[:48])
+    console.print(table)
+
+
+def _print_aggregate(methods: dict, n: int) -> None:
+    table = Table("method", "agreement", "mean KL", "EM", "recomputed (mean)", "latency ms (mean)", title=f"{n} cases")
+    for name, m in methods.items():
+        table.add_row(name, f"{m['agreement']:.2f}", f"{m['mean_kl']:.2e}", f"{m['em']:.2f}",
+                      f"{m['recomputed_tokens']:.0f}", f"{m['latency_ms']:.0f}")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

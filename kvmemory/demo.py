@@ -1,0 +1,118 @@
+"""The main job: an agent history edited in the middle, answered with each repair method.
+
+For every case: prefill the agent's history (tool results holding passages), then delete one
+non-supporting tool result and ask the question. Each method starts from a clone of the same
+pre-edit cache (the clone is not timed) and answers greedily; fidelity is measured against
+Re-prefill (greedy-answer agreement, first-token KL) and post-edit latency is the time from the
+edited message list to the first-token distribution (repair + query prefill), in ms.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import mean
+
+from .demo_cases import DemoCase
+from .metrics import answers_agree, exact_match, first_token_kl
+from .policy import RepairPolicy
+from .session import KVSession
+
+
+def demo_policies(budgets: list[float]) -> dict[str, RepairPolicy]:
+    """Methods in table order, keyed by their JSON names (``sur@5`` ...)."""
+    policies = {"dirty": RepairPolicy(operator="dirty"), "shift": RepairPolicy(operator="shift")}
+    for b in budgets:
+        policies[f"sur@{b:g}"] = RepairPolicy(operator="refresh", budget=b, allocator="sur")
+    policies["replay"] = RepairPolicy(operator="replay")
+    policies["reprefill"] = RepairPolicy(operator="reprefill")
+    return policies
+
+
+@dataclass
+class MethodResult:
+    method: str
+    answer: str
+    agrees: bool
+    kl: float
+    exact_match: bool
+    recomputed_tokens: int
+    reused_tokens: int
+    intervals: int
+    latency_ms: float
+    answer_ms: float
+    fallback: str | None = None
+
+
+@dataclass
+class CaseResult:
+    case_id: str
+    question: str
+    gold: str
+    prompt_tokens: int
+    deleted_tokens: int
+    methods: list[MethodResult] = field(default_factory=list)
+
+
+def run_case(session: KVSession, case: DemoCase, policies: dict[str, RepairPolicy], max_new_tokens: int = 32) -> CaseResult:
+    """Run every method on one case from the same pre-edit cache; Re-prefill first (reference)."""
+    session.reset()
+    session.prepare(case.messages(with_deleted=True, with_query=False))
+    deleted = sum(s.length for s in session.rendered.segments if s.key in case.deleted_ids)
+    edited = case.messages(with_deleted=False, with_query=True)
+    runs = {}
+    for name in ["reprefill"] + [n for n in policies if n != "reprefill"]:
+        fork = session.fork()
+        report = fork.prepare(edited, policy=policies[name])
+        gen = fork.generate(max_new_tokens=max_new_tokens)
+        runs[name] = (report, gen)
+    ref_report, ref_gen = runs["reprefill"]
+    result = CaseResult(case.case_id, case.question, case.answer, ref_report.prompt_tokens, deleted)
+    for name in policies:
+        report, gen = runs[name]
+        result.methods.append(
+            MethodResult(
+                method=name,
+                answer=gen.text.strip(),
+                agrees=answers_agree(gen.text, ref_gen.text),
+                kl=first_token_kl(ref_gen.first_logits, gen.first_logits),
+                exact_match=exact_match(gen.text, case.answer),
+                recomputed_tokens=report.recomputed_tokens,
+                reused_tokens=report.reused_tokens,
+                intervals=report.intervals,
+                latency_ms=report.latency_ms,
+                answer_ms=gen.decode_ms,
+                fallback=report.fallback,
+            )
+        )
+    return result
+
+
+def aggregate(cases: list[CaseResult]) -> dict[str, dict[str, float]]:
+    """Per method: agreement (fraction of cases equal to Re-prefill's greedy answer), mean_kl,
+    em, recomputed_tokens (mean), latency_ms (mean post-edit), answer_ms (mean decode)."""
+    names = [m.method for m in cases[0].methods] if cases else []
+    out = {}
+    for name in names:
+        rows = [m for c in cases for m in c.methods if m.method == name]
+        out[name] = {
+            "agreement": mean(m.agrees for m in rows),
+            "mean_kl": mean(m.kl for m in rows),
+            "em": mean(m.exact_match for m in rows),
+            "recomputed_tokens": mean(m.recomputed_tokens for m in rows),
+            "latency_ms": mean(m.latency_ms for m in rows),
+            "answer_ms": mean(m.answer_ms for m in rows),
+            "cases": len(rows),
+        }
+    return out
+
+
+def write_json(path: Path, meta: dict, cases: list[CaseResult]) -> None:
+    """Write every figure: ``meta``, per-case rows and the ``methods`` aggregate."""
+    payload = {**meta, "methods": aggregate(cases), "cases": [_case_dict(c) for c in cases]}
+    Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def _case_dict(case: CaseResult) -> dict:
+    return asdict(case)

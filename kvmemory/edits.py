@@ -1,0 +1,144 @@
+"""Edit plans: how a new message list differs from the one a cache holds, down to token rows.
+
+Messages are matched by key in order (keep / replace = same key, new content / delete / insert /
+append). The token-level plan then says, for every position of the new prompt, whether its K/V
+row is exact (common token prefix), reusable from an old row (a kept message after the first
+change: correct tokens, stale context, maybe moved), or must be computed (new text, widened
+boundaries, generation prompt). Several edits in one call produce one plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from difflib import SequenceMatcher
+from typing import Literal, Sequence
+
+from .prompt import RenderedPrompt
+
+OpKind = Literal["keep", "delete", "replace", "insert", "append"]
+
+
+@dataclass(frozen=True)
+class EditOp:
+    """One message-level operation; spans are token spans (old prompt / new prompt)."""
+
+    kind: OpKind
+    key: str
+    old_span: tuple[int, int] | None
+    new_span: tuple[int, int] | None
+
+
+@dataclass
+class EditPlan:
+    """Token-level plan for turning the cached rows into the new prompt's rows.
+
+    Attributes:
+        ops: message-level operations in new-prompt order (deletions where they were).
+        common_prefix: f, the number of leading tokens identical in the cached ids and the new
+            prompt; rows [0, f) are exact and kept as they are.
+        reuse: runs ``(new_start, old_start, length)`` of stale rows at positions >= f that keep
+            their old K/V (after Shift). Their positions form the suffix s, S = sum of lengths.
+        widened: keys of kept messages whose tokens did not re-tokenize identically; their rows
+            are recomputed as new text instead of reused.
+        new_length: N, the new prompt's token count.
+    """
+
+    ops: list[EditOp]
+    common_prefix: int
+    reuse: list[tuple[int, int, int]]
+    widened: list[str] = field(default_factory=list)
+    new_length: int = 0
+
+    @property
+    def suffix_positions(self) -> list[int]:
+        """Sorted new-prompt positions of the stale reused rows (the repairable suffix)."""
+        return [n + k for n, _, length in self.reuse for k in range(length)]
+
+    @property
+    def stale_tokens(self) -> int:
+        return sum(length for _, _, length in self.reuse)
+
+    @property
+    def new_positions(self) -> list[int]:
+        """Positions >= f that must be computed because no valid row exists for them."""
+        reused = set(self.suffix_positions)
+        return [p for p in range(self.common_prefix, self.new_length) if p not in reused]
+
+    @property
+    def is_append_only(self) -> bool:
+        return not self.reuse
+
+    def count(self, kind: OpKind) -> int:
+        return sum(op.kind == kind for op in self.ops)
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token id sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def plan_edits(cached_ids: Sequence[int], old: RenderedPrompt | None, new: RenderedPrompt) -> EditPlan:
+    """Compute the edit plan from the cached state to the ``new`` rendered prompt.
+
+    Args:
+        cached_ids: token ids of the cache rows (old prompt, possibly plus generated tokens).
+        old: the rendered prompt those rows were built from (None: nothing reusable but the
+            common prefix).
+        new: the rendered new prompt.
+
+    Returns:
+        EditPlan; rows outside the common prefix are reused only for kept messages whose old
+        and new token spans hold identical ids (otherwise the message is widened into new text).
+    """
+    f = common_prefix_length(cached_ids, new.token_ids)
+    ops = _message_ops(old, new)
+    reuse, widened = [], []
+    for op in ops:
+        if op.kind != "keep":
+            continue
+        (o0, o1), (n0, n1) = op.old_span, op.new_span
+        if n1 <= f:
+            continue  # wholly inside the exact prefix
+        if o1 > len(cached_ids) or tuple(cached_ids[o0:o1]) != new.token_ids[n0:n1]:
+            widened.append(op.key)  # boundary did not split cleanly: recompute this message
+            continue
+        skip = max(0, f - n0)  # the part inside the common prefix is already exact
+        if n1 - n0 - skip > 0:
+            reuse.append((n0 + skip, o0 + skip, n1 - n0 - skip))
+    return EditPlan(ops=ops, common_prefix=f, reuse=reuse, widened=widened, new_length=len(new))
+
+
+def _message_ops(old: RenderedPrompt | None, new: RenderedPrompt) -> list[EditOp]:
+    old_segs = list(old.segments) if old is not None else []
+    new_segs = list(new.segments)
+    matcher = SequenceMatcher(None, [s.key for s in old_segs], [s.key for s in new_segs], autojunk=False)
+    pairs = {b.b + k: b.a + k for b in matcher.get_matching_blocks() for k in range(b.size)}
+    last_matched_new = max(pairs, default=-1)
+    matched_old = set(pairs.values())
+    ops: list[EditOp] = []
+    next_old = 0
+
+    def flush_deletes(upto: int) -> None:
+        nonlocal next_old
+        for i in range(next_old, upto):
+            if i not in matched_old:
+                s = old_segs[i]
+                ops.append(EditOp("delete", s.key, (s.token_start, s.token_end), None))
+        next_old = max(next_old, upto)
+
+    for j, ns in enumerate(new_segs):
+        span = (ns.token_start, ns.token_end)
+        if j in pairs:
+            os_ = old_segs[pairs[j]]
+            flush_deletes(pairs[j])
+            kind = "keep" if os_.content_hash == ns.content_hash else "replace"
+            ops.append(EditOp(kind, ns.key, (os_.token_start, os_.token_end), span))
+            next_old = pairs[j] + 1
+        else:
+            ops.append(EditOp("insert" if j < last_matched_new else "append", ns.key, None, span))
+    flush_deletes(len(old_segs))
+    return ops

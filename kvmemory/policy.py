@@ -1,0 +1,98 @@
+"""Repair policies (which operator, which budget) and the report every repair returns."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from .selection import ALLOCATORS
+
+Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
+
+
+class RepairPolicy(BaseModel):
+    """How to repair a cache after a history edit (paper §7.1).
+
+    - ``refresh``: Shift, then recompute B = min(S, ceil(S·b/100)) stale suffix positions chosen
+      by ``allocator`` (eq. 3). b = 0 is Shift, b = 100 is Replay.
+    - ``shift``: delete rows, rotate suffix keys; no recomputation (refresh at b = 0).
+    - ``replay``: keep the valid prefix, recompute the whole suffix (refresh at b = 100).
+    - ``reprefill``: rebuild the whole prompt from an empty cache.
+    - ``dirty``: reference only: ignore deletions/replacements and answer from the unedited cache.
+
+    Raises:
+        pydantic.ValidationError (a ValueError): budget outside [0, 100], unknown allocator.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    operator: Operator = "refresh"
+    budget: float = 5.0
+    allocator: str = "sur"
+    seed: int = 0
+
+    @field_validator("budget")
+    @classmethod
+    def _budget_in_range(cls, value: float) -> float:
+        if not math.isfinite(value) or not 0 <= value <= 100:
+            raise ValueError(
+                f"budget is a percentage of the stale suffix and must lie in [0, 100] (got {value}); "
+                "e.g. budget=5 recomputes 5 % of it, 0 is Shift, 100 is Replay"
+            )
+        return float(value)
+
+    @field_validator("allocator")
+    @classmethod
+    def _known_allocator(cls, value: str) -> str:
+        if value not in ALLOCATORS:
+            raise ValueError(f"unknown allocator {value!r}: use one of {', '.join(sorted(ALLOCATORS))}")
+        return value
+
+    @property
+    def effective_budget(self) -> float:
+        """Budget in % that the refresh path uses (shift → 0, replay → 100)."""
+        return {"shift": 0.0, "replay": 100.0}.get(self.operator, self.budget)
+
+    @property
+    def label(self) -> str:
+        """Short name: ``dirty``, ``shift``, ``sur@5``, ``bm25@2``, ``replay``, ``reprefill``."""
+        if self.operator != "refresh":
+            return self.operator
+        return f"{self.allocator}@{self.budget:g}"
+
+
+@dataclass
+class RepairReport:
+    """What one ``prepare`` call did to the cache.
+
+    Token counts are tokens; times are milliseconds. ``recomputed_tokens`` counts every position
+    forwarded through the model (new text + refreshed stale rows); ``refreshed_tokens`` is the
+    allowance B spent on stale rows; ``reused_tokens`` rows were served from the live cache.
+    ``spans`` are the computed position intervals ``[a, b)``, ``intervals`` their count.
+    ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not).
+    """
+
+    operator: str
+    budget: float | None
+    allocator: str | None
+    prompt_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+    stale_tokens: int = 0
+    refreshed_tokens: int = 0
+    shifted_tokens: int = 0
+    intervals: int = 0
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    edits: dict[str, int] = field(default_factory=dict)
+    widened: list[str] = field(default_factory=list)
+    fallback: str | None = None
+    selection_ms: float = 0.0
+    shift_ms: float = 0.0
+    refresh_ms: float = 0.0
+    latency_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,181 @@
+"""Chat messages, their rendering through the model's chat template, and the segment table.
+
+The segment table maps every message (by key = its id, plus a content hash) to its token span in
+the rendered prompt. Spans come from rendering growing prefixes of the message list: the text a
+message adds is its segment, and each token belongs to the segment holding the midpoint of its
+character span.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class MessageError(ValueError):
+    """A message cannot be used as given; the text names the fix."""
+
+
+class TemplateError(ValueError):
+    """The chat template does not render message lists incrementally (prefix-stable)."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat message as kvmemory sees it.
+
+    ``key`` identifies the message across turns: its ``id`` when given, otherwise
+    ``role:hash#n`` (the n-th message with that role and content), so identical anonymous
+    messages still match in order. ``extra`` carries template fields such as ``tool_calls``.
+    """
+
+    role: str
+    content: str
+    key: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def content_hash(self) -> str:
+        payload = json.dumps([self.role, self.content, dict(self.extra)], sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def template_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "content": self.content, **self.extra}
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
+    """Validate ``[{"role", "content", "id"?, ...}, ...]`` and give each message its key.
+
+    Raises:
+        MessageError: empty list, a non-mapping item, unknown role, non-string content,
+            or a duplicated id.
+    """
+    if not messages:
+        raise MessageError("the message list is empty: pass at least one message (e.g. a system or user message)")
+    seen_ids: set[str] = set()
+    anonymous: Counter[str] = Counter()
+    out: list[ChatMessage] = []
+    for i, msg in enumerate(messages):
+        if isinstance(msg, ChatMessage):
+            msg = {"role": msg.role, "content": msg.content, "id": msg.key, **msg.extra}
+        if not isinstance(msg, Mapping):
+            raise MessageError(f"message {i} is a {type(msg).__name__}: pass a dict with 'role' and 'content'")
+        role, content = msg.get("role"), msg.get("content")
+        if role not in ROLES:
+            raise MessageError(f"message {i} has role {role!r}: use one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise MessageError(
+                f"message {i} has {type(content).__name__} content: pass the text as a string "
+                "(join multi-part content into one string first)"
+            )
+        extra = {k: v for k, v in msg.items() if k not in ("role", "content", "id")}
+        mid = msg.get("id")
+        if mid is not None:
+            mid = str(mid)
+            if mid in seen_ids:
+                raise MessageError(f"message id {mid!r} appears twice: ids must be unique within a history")
+            seen_ids.add(mid)
+            key = mid
+        else:
+            digest = hashlib.sha256(f"{role}\0{content}".encode()).hexdigest()[:12]
+            anonymous[digest] += 1
+            key = f"{role}:{digest}#{anonymous[digest]}"
+        out.append(ChatMessage(role=role, content=content, key=key, extra=extra))
+    return out
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One message's place in the rendered prompt.
+
+    Token span ``[token_start, token_end)``; character spans into the prompt text for the whole
+    rendered message and for its content alone (``content_start == content_end`` if not found).
+    """
+
+    key: str
+    content_hash: str
+    index: int
+    token_start: int
+    token_end: int
+    char_start: int
+    char_end: int
+    content_start: int
+    content_end: int
+
+    @property
+    def length(self) -> int:
+        return self.token_end - self.token_start
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A message list rendered with the chat template and tokenized.
+
+    ``token_ids`` (length N) are the tokenization of ``text``; ``offsets[i]`` is token i's
+    character span. ``segments`` has one entry per message; tokens after the last segment
+    (the generation prompt) belong to no message.
+    """
+
+    messages: tuple[ChatMessage, ...]
+    text: str
+    token_ids: tuple[int, ...]
+    offsets: tuple[tuple[int, int], ...]
+    segments: tuple[Segment, ...]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def _render(tokenizer, messages: Sequence[ChatMessage], generation_prompt: bool, tools) -> str:
+    return tokenizer.apply_chat_template(
+        [m.template_dict() for m in messages],
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+    )
+
+
+def render_prompt(tokenizer, messages: Sequence[ChatMessage], *, tools=None, generation_prompt: bool = True) -> RenderedPrompt:
+    """Render ``messages`` with the tokenizer's chat template and build the segment table.
+
+    Returns:
+        RenderedPrompt whose segments partition the message tokens in order.
+
+    Raises:
+        TemplateError: rendering a prefix of the list is not a prefix of the full rendering
+            (the template rewrites earlier messages), so message spans are not stable.
+    """
+    text = _render(tokenizer, messages, generation_prompt, tools)
+    bounds = [0]
+    for k in range(1, len(messages) + 1):
+        part = _render(tokenizer, messages[:k], False, tools)
+        if not text.startswith(part) or len(part) < bounds[-1]:
+            raise TemplateError(
+                f"the chat template renders message {k - 1} differently once later messages follow; "
+                "kvmemory reuses only the common token prefix for this model"
+            )
+        bounds.append(len(part))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    segments = _segments(messages, text, bounds, offsets)
+    return RenderedPrompt(tuple(messages), text, tuple(ids), tuple(offsets), tuple(segments))
+
+
+def _segments(messages, text, bounds, offsets) -> list[Segment]:
+    # A token belongs to the message whose character range holds the token's midpoint.
+    mids = [(a + b) / 2 for a, b in offsets]
+    segments, t = [], 0
+    for i, msg in enumerate(messages):
+        c0, c1 = bounds[i], bounds[i + 1]
+        start = t
+        while t < len(mids) and mids[t] < c1:
+            t += 1
+        found = text.find(msg.content, c0, c1) if msg.content else -1
+        cs, ce = (found, found + len(msg.content)) if found >= 0 else (c0, c0)
+        segments.append(Segment(msg.key, msg.content_hash, i, start, t, c0, c1, cs, ce))
+    return segments

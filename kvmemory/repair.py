@@ -1,0 +1,187 @@
+"""Turning an edit plan into a repaired cache: Shift, budgeted sparse refresh, Replay, Re-prefill.
+
+Every sparse arm starts from the Shift cache (paper §7.1): rows of deleted text are dropped,
+kept rows move to their new positions with their keys rotated (eq. 2), new text is prefilled at
+its place, and B = min(S, ceil(S·b/100)) stale suffix positions chosen by the allocator are
+recomputed through every layer by the sequential-interval executor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from . import kvcache
+from .capabilities import Capabilities
+from .edits import EditPlan
+from .execution import run_sequential
+from .policy import RepairPolicy, RepairReport
+from .positions import RotaryShifter
+from .prompt import RenderedPrompt
+from .selection import MessageSpan, SelectionInput, allowance, select, to_intervals
+
+
+@dataclass
+class RepairResult:
+    """The repaired cache (exactly ``len(new)`` rows), fp32 next-token logits ``[vocab]``, report."""
+
+    cache: DynamicCache
+    next_logits: torch.Tensor
+    report: RepairReport
+
+
+@dataclass
+class RepairContext:
+    """What a repair needs besides the plan: the model and what it can do."""
+
+    model: torch.nn.Module
+    capabilities: Capabilities
+    shifter: RotaryShifter | None
+    query_ids: list[int]
+    query_text: str
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def repair(
+    ctx: RepairContext,
+    cache: DynamicCache,
+    cached_ids: list[int],
+    new: RenderedPrompt,
+    plan: EditPlan,
+    policy: RepairPolicy,
+) -> RepairResult:
+    """Repair ``cache`` (rows for ``cached_ids``; modified or replaced) into the cache of ``new``.
+
+    Falls back to exact recomputation, and says why in ``report.fallback``, when the model's
+    rows cannot be spliced (sliding windows, ...) or its keys cannot be rotated (dynamic RoPE).
+
+    Raises:
+        ValueError: from the executor if the plan does not cover every position (a bug).
+    """
+    t0 = time.perf_counter()
+    ids = torch.tensor(new.token_ids, dtype=torch.long)
+    report = RepairReport(
+        operator=policy.operator,
+        budget=policy.effective_budget if policy.operator in ("refresh", "shift", "replay") else None,
+        allocator=policy.allocator if policy.operator == "refresh" else None,
+        prompt_tokens=len(new),
+        reused_tokens=0,
+        recomputed_tokens=0,
+        stale_tokens=plan.stale_tokens,
+        edits={k: plan.count(k) for k in ("keep", "delete", "replace", "insert", "append") if plan.count(k)},
+        widened=list(plan.widened),
+    )
+    spliced = plan.common_prefix < len(cached_ids)
+    if policy.operator == "reprefill" or (spliced and ctx.capabilities.row_reuse_reason):
+        if policy.operator != "reprefill":
+            report.fallback = ctx.capabilities.row_reuse_reason
+        result = _reprefill(ctx.model, ids, report)
+    else:
+        budget = policy.effective_budget
+        moved = any(n != o for n, o, _ in plan.reuse)
+        if moved and budget < 100 and ctx.capabilities.shift_reason:
+            report.fallback = ctx.capabilities.shift_reason
+            budget = 100.0
+        B = allowance(plan.stale_tokens, budget)
+        if B == plan.stale_tokens:
+            result = _replay(ctx.model, cache, ids, plan, report)
+        else:
+            result = _sparse_refresh(ctx, cache, ids, new, plan, policy, B, report)
+    report.latency_ms = _ms(t0)
+    return result
+
+
+def _reprefill(model, ids: torch.Tensor, report: RepairReport) -> RepairResult:
+    t0 = time.perf_counter()
+    cache = kvcache.new_cache(model.config)
+    out = run_sequential(model, cache, ids, [(0, ids.shape[0])])
+    report.recomputed_tokens = ids.shape[0]
+    report.intervals, report.spans = 1, [(0, ids.shape[0])]
+    report.refresh_ms = _ms(t0)
+    return RepairResult(cache, out.next_logits, report)
+
+
+def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, report: RepairReport) -> RepairResult:
+    """Keep the exact prefix, recompute everything after it (at least the last token, for logits)."""
+    t0 = time.perf_counter()
+    start = min(plan.common_prefix, ids.shape[0] - 1)
+    kvcache.crop_to(cache, start)
+    out = run_sequential(model, cache, ids, [(start, ids.shape[0])])
+    report.reused_tokens = start
+    report.recomputed_tokens = ids.shape[0] - start
+    report.refreshed_tokens = plan.stale_tokens
+    report.intervals, report.spans = 1, [(start, ids.shape[0])]
+    report.refresh_ms = _ms(t0)
+    return RepairResult(cache, out.next_logits, report)
+
+
+def _sparse_refresh(ctx, cache, ids, new, plan, policy, B, report) -> RepairResult:
+    t0 = time.perf_counter()
+    selected = _select(ctx, new, plan, policy, B)
+    report.selection_ms = _ms(t0)
+
+    t1 = time.perf_counter()
+    rows = _source_rows(plan)
+    shifted = kvcache.gather_rows(cache, rows)
+    report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
+    report.shift_ms = _ms(t1)
+
+    t2 = time.perf_counter()
+    intervals = to_intervals(sorted(set(plan.new_positions) | set(selected)))
+    if not intervals or intervals[-1][1] != ids.shape[0]:
+        intervals = to_intervals(sorted(set(plan.new_positions) | set(selected) | {ids.shape[0] - 1}))
+    out = run_sequential(ctx.model, shifted, ids, intervals)
+    report.refresh_ms = _ms(t2)
+    report.refreshed_tokens = B
+    report.recomputed_tokens = out.forwarded_tokens
+    report.reused_tokens = ids.shape[0] - out.forwarded_tokens
+    report.intervals, report.spans = len(intervals), intervals
+    return RepairResult(shifted, out.next_logits, report)
+
+
+def _select(ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: RepairPolicy, B: int) -> list[int]:
+    if B == 0:
+        return []
+    spans = [
+        MessageSpan(s.index, s.token_start, s.token_end, s.content_start, s.content_end) for s in new.segments
+    ]
+    inp = SelectionInput(
+        text=new.text,
+        token_ids=new.token_ids,
+        offsets=new.offsets,
+        messages=spans,
+        eligible=plan.suffix_positions,
+        query_ids=ctx.query_ids,
+        query_text=ctx.query_text,
+    )
+    embedding = ctx.model.get_input_embeddings().weight
+    return select(policy.allocator, inp, B, embedding=embedding, seed=policy.seed)
+
+
+def _source_rows(plan: EditPlan) -> torch.Tensor:
+    """Old row index for each new position up to the last reused row (-1: to be computed)."""
+    end = max([plan.common_prefix] + [n + length for n, _, length in plan.reuse])
+    rows = torch.full((end,), -1, dtype=torch.long)
+    rows[: plan.common_prefix] = torch.arange(plan.common_prefix)
+    for n, o, length in plan.reuse:
+        rows[n : n + length] = torch.arange(o, o + length)
+    return rows
+
+
+def _rotate_moved_keys(shifter: RotaryShifter | None, cache: DynamicCache, rows: torch.Tensor) -> int:
+    """Shift (eq. 2): rotate the keys of rows that moved from old position ``rows[p]`` to ``p``."""
+    new_pos = torch.nonzero((rows >= 0) & (rows != torch.arange(rows.shape[0])), as_tuple=True)[0]
+    if new_pos.numel() == 0:
+        return 0
+    if shifter is None:
+        raise RuntimeError("rows moved but no rotary shifter is available (capability check skipped)")
+    coeffs = shifter.coefficients(rows[new_pos], new_pos)
+    for layer in cache.layers:
+        layer.keys[:, :, new_pos] = shifter.apply(layer.keys[:, :, new_pos], coeffs)
+    return int(new_pos.numel())

@@ -1,0 +1,39 @@
+"""Budgeted selection of stale KV rows to refresh after a history edit (paper §3.2, §7.1, §7.3, §7.4).
+
+    B = allowance(S, budget)                          # eq. (3)
+    positions = select("sur", inp, B, embedding=E)    # or dense / window / bm25 / random
+    intervals = to_intervals(positions)               # execution intervals
+"""
+
+from .allocators import ALLOCATORS, SelectionError, select
+from .bm25 import bm25_unit_scores, lexical_terms
+from .budget import allowance
+from .inputs import MessageSpan, SelectionInput, validate_input
+from .intervals import to_intervals
+from .regions import Region, content_regions
+from .relevance import relevance_scores
+from .unit_allocator import allocate_units, best_envelope_window, forward_envelope, unit_score
+from .units import Unit, UnitPartitionError, build_units
+
+__all__ = [
+    "ALLOCATORS",
+    "MessageSpan",
+    "Region",
+    "SelectionError",
+    "SelectionInput",
+    "Unit",
+    "UnitPartitionError",
+    "allocate_units",
+    "allowance",
+    "best_envelope_window",
+    "bm25_unit_scores",
+    "build_units",
+    "content_regions",
+    "forward_envelope",
+    "lexical_terms",
+    "relevance_scores",
+    "select",
+    "to_intervals",
+    "unit_score",
+    "validate_input",
+]

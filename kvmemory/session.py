@@ -1,0 +1,267 @@
+"""The live cache of one conversation: token ids, per-layer K/V, segment table, and the calls
+that keep them in step with an edited message list."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import kvcache
+from .capabilities import model_capabilities
+from .edits import plan_edits
+from .execution import forward_rows
+from .policy import RepairPolicy, RepairReport
+from .positions import RotaryShifter, ShiftUnsupportedError
+from .prompt import ChatMessage, RenderedPrompt, TemplateError, normalize_messages, render_prompt
+from .repair import RepairContext, repair
+
+log = logging.getLogger(__name__)
+
+
+class UnknownMessageError(KeyError):
+    """An edit names a message id the session does not hold."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of its argument
+        return str(self.args[0])
+
+
+class ContextOverflowError(ValueError):
+    """The prompt plus the requested answer does not fit in the model's context window."""
+
+
+@dataclass
+class Generation:
+    """A decoded answer. ``first_logits``: fp32 ``[vocab]`` distribution logits of the first
+    answer token; ``decode_ms``: milliseconds spent decoding; ``finish_reason``: stop | length."""
+
+    text: str
+    token_ids: list[int]
+    first_logits: torch.Tensor
+    finish_reason: str
+    decode_ms: float
+
+
+class KVSession:
+    """One conversation's live KV cache.
+
+    ``prepare(messages)`` brings the cache to the rendered prompt of ``messages``: an append-only
+    turn prefills only the new tokens; an edit anywhere in the history is repaired under the
+    session's :class:`RepairPolicy` (Shift + budgeted Semantic-Unit Refresh by default).
+    ``generate()`` then decodes from the live cache and keeps the answer's rows.
+
+    Invariant: ``token_ids`` (one per cached row) always equal the tokenization of the messages
+    the session claims to hold, followed by the tokens it generated since.
+    """
+
+    def __init__(self, model, tokenizer, policy: RepairPolicy | None = None, *, tools: list | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.policy = policy or RepairPolicy()
+        self.tools = tools
+        self.capabilities = model_capabilities(model.config)
+        self._shifter = self._make_shifter()
+        self.max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        self.reset()
+
+    def _make_shifter(self) -> RotaryShifter | None:
+        try:
+            return RotaryShifter(self.model)
+        except ShiftUnsupportedError:
+            return None
+
+    # ----------------------------------------------------------------- state
+    def reset(self) -> None:
+        """Forget everything (the next ``prepare`` re-prefills)."""
+        self.cache = kvcache.new_cache(self.model.config)
+        self.token_ids: list[int] = []
+        self.rendered: RenderedPrompt | None = None
+        self.next_logits: torch.Tensor | None = None
+        self.last_report: RepairReport | None = None
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """The messages whose rendered prompt the cache holds (empty before the first prepare)."""
+        return list(self.rendered.messages) if self.rendered else []
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of K/V held for this conversation."""
+        return kvcache.cache_nbytes(self.cache)
+
+    def fork(self) -> "KVSession":
+        """An independent copy (cache cloned) sharing the model, e.g. to try several repairs."""
+        other = object.__new__(KVSession)
+        other.__dict__.update(self.__dict__)
+        other.cache = kvcache.clone_cache(self.cache)
+        other.token_ids = list(self.token_ids)
+        other.next_logits = None if self.next_logits is None else self.next_logits.clone()
+        return other
+
+    # --------------------------------------------------------------- prepare
+    def prepare(
+        self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, policy: RepairPolicy | None = None
+    ) -> RepairReport:
+        """Bring the cache to ``messages`` (rendered with the chat template + generation prompt).
+
+        Args:
+            messages: ``[{"role", "content", "id"?}, ...]``; ids let edits be recognised as
+                replacements; without ids, messages match by role and content.
+            policy: overrides the session policy for this call.
+
+        Returns:
+            RepairReport (tokens reused / recomputed, operator, budget, latency ms, fallback).
+
+        Raises:
+            MessageError: malformed messages or an empty list.
+            ContextOverflowError: the prompt does not fit the model's context.
+            pydantic.ValidationError: an invalid policy.
+        The session is unchanged when an error is raised before repair starts; if the repair
+        itself fails, the session resets (the next call re-prefills) and the error propagates.
+        """
+        policy = policy or self.policy
+        new_messages = normalize_messages(messages)
+        if policy.operator == "dirty" and self.rendered is not None:
+            new_messages = self._dirty_messages(new_messages)
+        new, fallback = self._render(new_messages)
+        self._check_fits(len(new))
+        old = self.rendered if fallback is None else None
+        plan = plan_edits(self.token_ids, old, new)
+        query = new_messages[-1].content
+        ctx = RepairContext(
+            model=self.model,
+            capabilities=self.capabilities,
+            shifter=self._shifter,
+            query_ids=self.tokenizer(query, add_special_tokens=False)["input_ids"] or list(new.token_ids[-1:]),
+            query_text=query,
+        )
+        try:
+            result = repair(ctx, self.cache, self.token_ids, new, plan, policy)
+        except Exception:
+            self.reset()
+            raise
+        report = result.report
+        report.fallback = report.fallback or fallback
+        if report.fallback:
+            log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
+        self.cache, self.token_ids, self.rendered = result.cache, list(new.token_ids), new
+        self.next_logits = result.next_logits
+        self.last_report = report
+        return report
+
+    def _render(self, messages: list[ChatMessage]) -> tuple[RenderedPrompt, str | None]:
+        try:
+            return render_prompt(self.tokenizer, messages, tools=self.tools), None
+        except TemplateError as exc:
+            # No stable message spans: reuse only the exact common token prefix.
+            text = self.tokenizer.apply_chat_template(
+                [m.template_dict() for m in messages], tools=self.tools, tokenize=False, add_generation_prompt=True
+            )
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            rendered = RenderedPrompt(
+                tuple(messages), text, tuple(enc["input_ids"]), tuple(map(tuple, enc["offset_mapping"])), ()
+            )
+            return rendered, str(exc)
+
+    def _dirty_messages(self, new_messages: list[ChatMessage]) -> list[ChatMessage]:
+        """Dirty reference: the cached messages unedited, plus the genuinely new ones."""
+        old = self.messages
+        old_keys = {m.key for m in old}
+        return old + [m for m in new_messages if m.key not in old_keys]
+
+    def _check_fits(self, prompt_tokens: int, answer_tokens: int = 1) -> None:
+        if self.max_context and prompt_tokens + answer_tokens > self.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {prompt_tokens} tokens and the model's context is {self.max_context}: "
+                "remove or summarise older messages (kvmemory repairs the cache after the edit) or use a "
+                "model with a longer context"
+            )
+
+    # ------------------------------------------------------- edits by id
+    def _index_of(self, key: str) -> int:
+        for i, m in enumerate(self.messages):
+            if m.key == key:
+                return i
+        known = ", ".join(repr(m.key) for m in self.messages) or "none (call prepare first)"
+        raise UnknownMessageError(f"no message with id {key!r} in this session; known ids: {known}")
+
+    def delete_message(self, key: str, *, policy: RepairPolicy | None = None) -> RepairReport:
+        """Delete the message with id ``key`` and repair. Raises UnknownMessageError."""
+        msgs = self.messages
+        del msgs[self._index_of(key)]
+        return self.prepare(msgs, policy=policy)
+
+    def replace_message(self, key: str, content: str, *, policy: RepairPolicy | None = None) -> RepairReport:
+        """Give message ``key`` new content (same id) and repair. Raises UnknownMessageError."""
+        msgs = self.messages
+        i = self._index_of(key)
+        old = msgs[i]
+        msgs[i] = {"role": old.role, "content": content, "id": old.key, **old.extra}
+        return self.prepare(msgs, policy=policy)
+
+    def insert_message(
+        self, before_key: str, message: Mapping[str, Any], *, policy: RepairPolicy | None = None
+    ) -> RepairReport:
+        """Insert ``message`` before message ``before_key`` and repair. Raises UnknownMessageError."""
+        msgs: list = self.messages
+        msgs.insert(self._index_of(before_key), message)
+        return self.prepare(msgs, policy=policy)
+
+    # -------------------------------------------------------------- decode
+    def generate(
+        self, max_new_tokens: int = 64, *, temperature: float = 0.0, seed: int | None = None
+    ) -> Generation:
+        """Decode an answer from the live cache (greedy unless ``temperature`` > 0).
+
+        Stops at an end-of-turn token or after ``max_new_tokens``. The answer's rows stay in the
+        cache, so the next turn that includes this answer reuses them.
+
+        Raises:
+            RuntimeError: ``prepare`` has not been called since the last generation.
+            ContextOverflowError: no room left in the model's context.
+        """
+        if self.next_logits is None:
+            raise RuntimeError("call prepare(messages) before generate(): the cache has no pending prompt")
+        self._check_fits(len(self.token_ids))
+        t0 = time.perf_counter()
+        stop_ids = self._stop_ids()
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        logits, first, out, reason = self.next_logits, self.next_logits, [], "length"
+        limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
+        for _ in range(limit):
+            token = _pick(logits, temperature, generator)
+            if token in stop_ids:
+                reason = "stop"
+                break
+            out.append(token)
+            logits = forward_rows(self.model, self.cache, torch.tensor([token]), len(self.token_ids))
+            self.token_ids.append(token)
+        self.next_logits = logits if reason == "length" else None
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return Generation(text, out, first, reason, (time.perf_counter() - t0) * 1000.0)
+
+    def _stop_ids(self) -> set[int]:
+        ids = set()
+        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        return ids
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the cached ids equal the tokenization of the held messages
+        (followed by generated tokens) and the cache has one row per id."""
+        assert kvcache.cache_length(self.cache) == len(self.token_ids), "cache rows != token ids"
+        if self.rendered is not None:
+            fresh = render_prompt(self.tokenizer, list(self.rendered.messages), tools=self.tools)
+            n = len(fresh.token_ids)
+            assert tuple(self.token_ids[:n]) == fresh.token_ids, "cached ids differ from the messages' tokenization"
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator) -> int:
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

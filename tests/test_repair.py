@@ -1,0 +1,259 @@
+"""Repair operators against Re-prefill: Replay, budget 100, Shift, sparse refresh, edits at the
+edges, exact recomputed-token counts, and the cache/tokenization invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmemory import kvcache
+from kvmemory.execution import run_sequential
+from kvmemory.policy import RepairPolicy
+from kvmemory.selection import allowance
+from kvmemory.session import KVSession
+
+TOL = 1e-4  # fp32 logits / K/V tolerance for equality with Re-prefill
+
+REPLAY = RepairPolicy(operator="replay")
+REPREFILL = RepairPolicy(operator="reprefill")
+SHIFT = RepairPolicy(operator="shift")
+
+
+def history() -> list[dict]:
+    return [
+        {"role": "system", "content": "You answer questions about the passages the tool returns.", "id": "sys"},
+        {"role": "user", "content": "Where was the founder of Ostrava Nova born?", "id": "u1"},
+        {"role": "assistant", "content": "search('Ostrava Nova')", "id": "a1"},
+        {"role": "tool", "content": "Ostrava Nova was founded in 1873 by the engineer Ilse Marrow. "
+         "The town lies on the Mira River.\n\nIts mill was the first in the valley.", "id": "t1"},
+        {"role": "assistant", "content": "search('lighthouses')", "id": "a2"},
+        {"role": "tool", "content": "Port Calder has three lighthouses. The oldest was built in 1790. "
+         "It is now a museum.", "id": "t2"},
+        {"role": "assistant", "content": "search('Ilse Marrow')", "id": "a3"},
+        {"role": "tool", "content": "Ilse Marrow (1841-1919) was a hydraulic engineer born in Helmsford, "
+         "a river port on the Dorne. She designed its canal locks.", "id": "t3"},
+    ]
+
+
+QUERY = {"role": "user", "content": "Answer: where was the founder of Ostrava Nova born?", "id": "q"}
+
+
+def without(msgs, *ids):
+    return [m for m in msgs if m["id"] not in ids]
+
+
+def replaced(msgs, mid, content):
+    return [dict(m, content=content) if m["id"] == mid else m for m in msgs]
+
+
+def prepared(model, tokenizer, msgs) -> KVSession:
+    s = KVSession(model, tokenizer)
+    s.prepare(msgs)
+    return s
+
+
+def assert_same_cache(a: KVSession, b: KVSession, tol: float = TOL) -> None:
+    assert a.token_ids == b.token_ids
+    for (ka, va), (kb, vb) in zip(kvcache.layer_tensors(a.cache), kvcache.layer_tensors(b.cache)):
+        torch.testing.assert_close(ka, kb, atol=tol, rtol=0)
+        torch.testing.assert_close(va, vb, atol=tol, rtol=0)
+    torch.testing.assert_close(a.next_logits, b.next_logits, atol=tol, rtol=0)
+
+
+EDITS = {
+    "delete-middle": lambda h: without(h, "a2", "t2"),
+    "delete-first-after-system": lambda h: without(h, "u1"),
+    "delete-last": lambda h: without(h, "t3"),
+    "delete-all-after-system": lambda h: h[:1],
+    "replace-shorter": lambda h: replaced(h, "t2", "[cleared]"),
+    "replace-longer": lambda h: replaced(h, "t2", "Port Calder has three lighthouses. " * 6),
+    "insert-middle": lambda h: h[:4] + [{"role": "user", "content": "Keep going.", "id": "ins"}] + h[4:],
+    "several-edits": lambda h: replaced(without(h, "a1"), "t2", "[cleared]")[:-1],
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_replay_equals_reprefill_tiny(tiny, tokenizer, edit):
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    new = EDITS[edit](history()) + [QUERY]
+    replay, reprefill = base.fork(), base.fork()
+    replay.prepare(new, policy=REPLAY)
+    reprefill.prepare(new, policy=REPREFILL)
+    assert_same_cache(replay, reprefill)
+    replay.check_invariants()
+
+
+def test_budget_100_is_replay_and_refreshes_whole_suffix(tiny, tokenizer):
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    new = without(history(), "a2", "t2") + [QUERY]
+    full, replay = base.fork(), base.fork()
+    report = full.prepare(new, policy=RepairPolicy(operator="refresh", budget=100))
+    replay.prepare(new, policy=REPLAY)
+    assert_same_cache(full, replay, tol=0.0)
+    assert report.refreshed_tokens == report.stale_tokens > 0
+
+
+def test_shift_keeps_prefix_rows_and_computes_only_new_text(tiny, tokenizer):
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    old_rows = kvcache.layer_tensors(kvcache.clone_cache(base.cache))
+    new = without(history(), "a2", "t2") + [QUERY]
+    shift = base.fork()
+    report = shift.prepare(new, policy=SHIFT)
+    shift.check_invariants()
+    f = next(i for i, (a, b) in enumerate(zip(base.token_ids, shift.token_ids)) if a != b)
+    assert f >= next(s.token_start for s in base.rendered.segments if s.key == "a2")
+    assert report.refreshed_tokens == 0 and report.shifted_tokens == report.stale_tokens > 0
+    # only text without a valid row is computed: everything after f that is not a kept row
+    assert report.recomputed_tokens == len(shift.token_ids) - f - report.stale_tokens
+    for (k0, v0), (k1, v1) in zip(old_rows, kvcache.layer_tensors(shift.cache)):
+        assert torch.equal(k0[:, :, :f], k1[:, :, :f]) and torch.equal(v0[:, :, :f], v1[:, :, :f])
+
+
+def test_sequential_intervals_covering_the_suffix_equal_replay(tiny, tokenizer):
+    """Forwarding the whole stale suffix as several in-order intervals must equal Replay: each
+    interval reads the earlier, already refreshed ones."""
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    new = without(history(), "a2", "t2") + [QUERY]
+    shift, replay = base.fork(), base.fork()
+    shift.prepare(new, policy=SHIFT)
+    replay.prepare(new, policy=REPLAY)
+    f = replay.last_report.reused_tokens
+    n = len(shift.token_ids)
+    cuts = [f, f + 5, f + 17, (f + n) // 2, n]
+    ids = torch.tensor(shift.token_ids)
+    out = run_sequential(model, shift.cache, ids, list(zip(cuts[:-1], cuts[1:])))
+    torch.testing.assert_close(out.next_logits, replay.next_logits, atol=TOL, rtol=0)
+    for (ka, va), (kb, vb) in zip(kvcache.layer_tensors(shift.cache), kvcache.layer_tensors(replay.cache)):
+        torch.testing.assert_close(ka, kb, atol=TOL, rtol=0)
+        torch.testing.assert_close(va, vb, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("budget", [2, 5, 20, 60])
+def test_sparse_refresh_spends_exact_allowance(tiny, tokenizer, budget):
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    s = base.fork()
+    report = s.prepare(without(history(), "a2", "t2") + [QUERY], policy=RepairPolicy(budget=budget))
+    assert report.refreshed_tokens == allowance(report.stale_tokens, budget)
+    s.check_invariants()
+    # the repair moves the answer toward Re-prefill but is not bit-identical unless b = 100
+    ref = base.fork()
+    ref.prepare(s.messages, policy=REPREFILL)
+    assert s.next_logits.shape == ref.next_logits.shape
+
+
+def test_sparse_refresh_changes_only_computed_rows(tiny, tokenizer):
+    """Relative to Shift, a sparse refresh rewrites exactly the computed spans; every other row is
+    bit-identical, and the refreshed stale rows do change."""
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    new = without(history(), "a2", "t2") + [QUERY]
+    shift, sur = base.fork(), base.fork()
+    shift.prepare(new, policy=SHIFT)
+    report = sur.prepare(new, policy=RepairPolicy(budget=20))
+    computed = _mask(report.spans, len(sur.token_ids))
+    new_text = _mask(shift.last_report.spans, len(sur.token_ids))  # what Shift had to compute
+    refreshed = computed & ~new_text
+    assert int(computed.sum()) == report.recomputed_tokens
+    assert int(refreshed.sum()) == report.refreshed_tokens > 0
+    for (ks, vs), (kr, vr) in zip(kvcache.layer_tensors(shift.cache), kvcache.layer_tensors(sur.cache)):
+        assert torch.equal(ks[:, :, ~computed], kr[:, :, ~computed])
+        assert torch.equal(vs[:, :, ~computed], vr[:, :, ~computed])
+    v_shift, v_sur = kvcache.layer_tensors(shift.cache)[-1][1], kvcache.layer_tensors(sur.cache)[-1][1]
+    assert (v_shift - v_sur)[:, :, refreshed].abs().max() > 10 * TOL
+
+
+def _mask(spans, n):
+    mask = torch.zeros(n, dtype=torch.bool)
+    for a, b in spans:
+        mask[a:b] = True
+    return mask
+
+
+def test_near_full_refresh_approaches_reprefill_on_real_model(real):
+    """On the real model, Shift differs from Re-prefill and refreshing 90 % of the stale rows
+    (dense-token control) brings the first-token distribution much closer."""
+    from kvmemory.metrics import first_token_kl
+
+    base = prepared(real.model, real.tokenizer, history())
+    new = without(history(), "a2", "t2") + [QUERY]
+    logits = {}
+    for name, policy in {"shift": SHIFT, "dense@90": RepairPolicy(budget=90, allocator="dense"),
+                         "reprefill": REPREFILL}.items():
+        s = base.fork()
+        s.prepare(new, policy=policy)
+        logits[name] = s.next_logits
+    shift_kl = first_token_kl(logits["reprefill"], logits["shift"])
+    dense_kl = first_token_kl(logits["reprefill"], logits["dense@90"])
+    assert shift_kl > 1e-4
+    assert dense_kl < shift_kl / 2
+
+
+def test_mid_conversation_edit_recomputes_from_first_differing_token(tiny, tokenizer):
+    _, model = tiny
+    base = prepared(model, tokenizer, history() + [QUERY])
+    new = replaced(history(), "t2", "Port Calder has four lighthouses.") + [QUERY]
+    s = base.fork()
+    report = s.prepare(new, policy=REPLAY)
+    old_ids, new_ids = base.token_ids, s.token_ids
+    f = next(i for i, (a, b) in enumerate(zip(old_ids, new_ids)) if a != b)
+    assert report.reused_tokens == f
+    assert report.recomputed_tokens == len(new_ids) - f
+
+
+def test_append_only_turn_prefills_only_new_tokens(tiny, tokenizer):
+    _, model = tiny
+    s = prepared(model, tokenizer, history() + [QUERY])
+    gen = s.generate(max_new_tokens=4)
+    before = list(s.token_ids)
+    turn = history() + [QUERY, {"role": "assistant", "content": gen.text, "id": "ans"},
+                        {"role": "user", "content": "Thanks! And when?", "id": "q2"}]
+    report = s.prepare(turn)
+    f = next((i for i, (a, b) in enumerate(zip(before, s.token_ids)) if a != b), min(len(before), len(s.token_ids)))
+    assert report.reused_tokens == f > 0
+    assert report.recomputed_tokens == len(s.token_ids) - f
+    assert report.stale_tokens == 0
+    s.check_invariants()
+
+
+def test_real_model_replay_equals_reprefill(real):
+    base = prepared(real.model, real.tokenizer, history())
+    new = without(history(), "a2", "t2") + [QUERY]
+    replay, reprefill = base.fork(), base.fork()
+    replay.prepare(new, policy=REPLAY)
+    reprefill.prepare(new, policy=REPREFILL)
+    assert_same_cache(replay, reprefill)
+    a, b = replay.generate(max_new_tokens=8), reprefill.generate(max_new_tokens=8)
+    assert a.token_ids == b.token_ids
+
+
+def test_dirty_keeps_the_deleted_message(tiny, tokenizer):
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    s = base.fork()
+    report = s.prepare(without(history(), "a2", "t2") + [QUERY], policy=RepairPolicy(operator="dirty"))
+    assert [m.key for m in s.messages] == [m["id"] for m in history()] + ["q"]
+    # everything up to the old generation prompt's role tokens is reused; nothing is stale
+    f = next(i for i, (a, b) in enumerate(zip(base.token_ids, s.token_ids)) if a != b)
+    assert report.stale_tokens == 0 and report.reused_tokens == f >= len(base.token_ids) - 3
+    s.check_invariants()
+
+
+def test_shift_layer0_rows_equal_reprefill(tiny, tokenizer):
+    """Layer-0 K/V depend only on token and position, so shifted rows must match Re-prefill there
+    exactly (up to RoPE rounding) while deeper layers keep the deleted text's influence."""
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    new = without(history(), "a2", "t2") + [QUERY]
+    shift, ref = base.fork(), base.fork()
+    shift.prepare(new, policy=SHIFT)
+    ref.prepare(new, policy=REPREFILL)
+    (k0s, v0s), (k0r, v0r) = kvcache.layer_tensors(shift.cache)[0], kvcache.layer_tensors(ref.cache)[0]
+    torch.testing.assert_close(k0s, k0r, atol=TOL, rtol=0)
+    torch.testing.assert_close(v0s, v0r, atol=TOL, rtol=0)
+    (k1s, _), (k1r, _) = kvcache.layer_tensors(shift.cache)[1], kvcache.layer_tensors(ref.cache)[1]
+    assert (k1s - k1r).abs().max() > 10 * TOL  # stale context: a deeper layer must differ
