@@ -1,0 +1,20 @@
+"""kvmemory: live KV caches for agents, repaired by budgeted Semantic-Unit Refresh after edits."""
+
+from .models import LoadedModel, ModelNotFoundError, load_model
+from .policy import RepairPolicy, RepairReport
+from .prompt import MessageError, TemplateError
+from .session import ContextOverflowError, Generation, KVSession, UnknownMessageError
+
+__all__ = [
+    "ContextOverflowError",
+    "Generation",
+    "KVSession",
+    "LoadedModel",
+    "MessageError",
+    "ModelNotFoundError",
+    "RepairPolicy",
+    "RepairReport",
+    "TemplateError",
+    "UnknownMessageError",
+    "load_model",
+]

@@ -109,9 +109,29 @@ def aggregate(cases: list[CaseResult]) -> dict[str, dict[str, float]]:
 
 
 def write_json(path: Path, meta: dict, cases: list[CaseResult]) -> None:
-    """Write every figure: ``meta``, per-case rows and the ``methods`` aggregate."""
-    payload = {**meta, "methods": aggregate(cases), "cases": [_case_dict(c) for c in cases]}
+    """Write every figure (``meta``, per-case rows, the ``methods`` aggregate) to ``path`` and the
+    aggregate table as markdown next to it (same name, ``.md``)."""
+    methods = aggregate(cases)
+    payload = {**meta, "methods": methods, "cases": [_case_dict(c) for c in cases]}
     Path(path).write_text(json.dumps(payload, indent=2))
+    Path(path).with_suffix(".md").write_text(markdown_table(meta, methods, len(cases)))
+
+
+def markdown_table(meta: dict, methods: dict, n: int) -> str:
+    """The aggregate as a markdown table (agreement and EM as fractions, KL in nats, ms)."""
+    lines = [
+        f"# kvmemory demo: {n} cases, {meta.get('model')} ({meta.get('dtype')}), {meta.get('source')}",
+        "",
+        "| method | agreement with Re-prefill | mean first-token KL | EM | recomputed tokens (mean) "
+        "| post-edit latency ms (mean) | decode ms (mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, m in methods.items():
+        lines.append(
+            f"| {name} | {m['agreement']:.2f} | {m['mean_kl']:.2e} | {m['em']:.2f} | "
+            f"{m['recomputed_tokens']:.0f} | {m['latency_ms']:.0f} | {m['answer_ms']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _case_dict(case: CaseResult) -> dict:

@@ -62,7 +62,7 @@ class KVSession:
         self.tokenizer = tokenizer
         self.policy = policy or RepairPolicy()
         self.tools = tools
-        self.capabilities = model_capabilities(model.config)
+        self.capabilities = model_capabilities(model.config)  # static facts, reported to callers
         self._shifter = self._make_shifter()
         self.max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         self.reset()
@@ -133,7 +133,8 @@ class KVSession:
         query = new_messages[-1].content
         ctx = RepairContext(
             model=self.model,
-            capabilities=self.capabilities,
+            # longrope's factor set depends on the largest position, so check per call
+            capabilities=model_capabilities(self.model.config, max(len(self.token_ids), len(new)) - 1),
             shifter=self._shifter,
             query_ids=self.tokenizer(query, add_special_tokens=False)["input_ids"] or list(new.token_ids[-1:]),
             query_text=query,

@@ -11,45 +11,13 @@ from kvmemory.execution import run_sequential
 from kvmemory.policy import RepairPolicy
 from kvmemory.selection import allowance
 from kvmemory.session import KVSession
+from support import QUERY, history, prepared, replaced, without
 
 TOL = 1e-4  # fp32 logits / K/V tolerance for equality with Re-prefill
 
 REPLAY = RepairPolicy(operator="replay")
 REPREFILL = RepairPolicy(operator="reprefill")
 SHIFT = RepairPolicy(operator="shift")
-
-
-def history() -> list[dict]:
-    return [
-        {"role": "system", "content": "You answer questions about the passages the tool returns.", "id": "sys"},
-        {"role": "user", "content": "Where was the founder of Ostrava Nova born?", "id": "u1"},
-        {"role": "assistant", "content": "search('Ostrava Nova')", "id": "a1"},
-        {"role": "tool", "content": "Ostrava Nova was founded in 1873 by the engineer Ilse Marrow. "
-         "The town lies on the Mira River.\n\nIts mill was the first in the valley.", "id": "t1"},
-        {"role": "assistant", "content": "search('lighthouses')", "id": "a2"},
-        {"role": "tool", "content": "Port Calder has three lighthouses. The oldest was built in 1790. "
-         "It is now a museum.", "id": "t2"},
-        {"role": "assistant", "content": "search('Ilse Marrow')", "id": "a3"},
-        {"role": "tool", "content": "Ilse Marrow (1841-1919) was a hydraulic engineer born in Helmsford, "
-         "a river port on the Dorne. She designed its canal locks.", "id": "t3"},
-    ]
-
-
-QUERY = {"role": "user", "content": "Answer: where was the founder of Ostrava Nova born?", "id": "q"}
-
-
-def without(msgs, *ids):
-    return [m for m in msgs if m["id"] not in ids]
-
-
-def replaced(msgs, mid, content):
-    return [dict(m, content=content) if m["id"] == mid else m for m in msgs]
-
-
-def prepared(model, tokenizer, msgs) -> KVSession:
-    s = KVSession(model, tokenizer)
-    s.prepare(msgs)
-    return s
 
 
 def assert_same_cache(a: KVSession, b: KVSession, tol: float = TOL) -> None:
@@ -257,3 +225,26 @@ def test_shift_layer0_rows_equal_reprefill(tiny, tokenizer):
     torch.testing.assert_close(v0s, v0r, atol=TOL, rtol=0)
     (k1s, _), (k1r, _) = kvcache.layer_tensors(shift.cache)[1], kvcache.layer_tensors(ref.cache)[1]
     assert (k1s - k1r).abs().max() > 10 * TOL  # stale context: a deeper layer must differ
+
+
+def test_real_model_shift_layer0_equals_reprefill(real):
+    base = prepared(real.model, real.tokenizer, history())
+    new = without(history(), "u1") + [QUERY]
+    shift, ref = base.fork(), base.fork()
+    shift.prepare(new, policy=SHIFT)
+    ref.prepare(new, policy=REPREFILL)
+    (ks, vs), (kr, vr) = kvcache.layer_tensors(shift.cache)[0], kvcache.layer_tensors(ref.cache)[0]
+    torch.testing.assert_close(ks, kr, atol=TOL, rtol=0)
+    torch.testing.assert_close(vs, vr, atol=TOL, rtol=0)
+
+
+def test_bf16_model_repairs(real):
+    from kvmemory.models import load_model
+
+    lm = load_model(dtype="bf16")
+    s = prepared(lm.model, lm.tokenizer, history())
+    report = s.prepare(without(history(), "a2", "t2") + [QUERY], policy=RepairPolicy(budget=5))
+    assert report.refreshed_tokens == allowance(report.stale_tokens, 5) > 0
+    assert s.cache.layers[0].keys.dtype == torch.bfloat16
+    s.check_invariants()
+    assert s.generate(max_new_tokens=4).token_ids

@@ -1,0 +1,59 @@
+"""Helpers shared by the tests: tiny random-weight models and a small agent history."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from kvmemory.session import KVSession
+
+
+def tiny_config(family: str, **overrides):
+    """A 2-layer random-weight config of ``family`` with the embedded tokenizer's vocabulary."""
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )
+    common.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    return cls(**common)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
+    return model.eval()
+
+
+def history() -> list[dict]:
+    return [
+        {"role": "system", "content": "You answer questions about the passages the tool returns.", "id": "sys"},
+        {"role": "user", "content": "Where was the founder of Ostrava Nova born?", "id": "u1"},
+        {"role": "assistant", "content": "search('Ostrava Nova')", "id": "a1"},
+        {"role": "tool", "content": "Ostrava Nova was founded in 1873 by the engineer Ilse Marrow. "
+         "The town lies on the Mira River.\n\nIts mill was the first in the valley.", "id": "t1"},
+        {"role": "assistant", "content": "search('lighthouses')", "id": "a2"},
+        {"role": "tool", "content": "Port Calder has three lighthouses. The oldest was built in 1790. "
+         "It is now a museum.", "id": "t2"},
+        {"role": "assistant", "content": "search('Ilse Marrow')", "id": "a3"},
+        {"role": "tool", "content": "Ilse Marrow (1841-1919) was a hydraulic engineer born in Helmsford, "
+         "a river port on the Dorne. She designed its canal locks.", "id": "t3"},
+    ]
+
+
+QUERY = {"role": "user", "content": "Answer: where was the founder of Ostrava Nova born?", "id": "q"}
+
+
+def without(msgs, *ids):
+    return [m for m in msgs if m["id"] not in ids]
+
+
+def replaced(msgs, mid, content):
+    return [dict(m, content=content) if m["id"] == mid else m for m in msgs]
+
+
+def prepared(model, tokenizer, msgs) -> KVSession:
+    s = KVSession(model, tokenizer)
+    s.prepare(msgs)
+    return s

@@ -1,0 +1,56 @@
+"""The main job end to end on the embedded model, and the package layout rules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from kvmemory.cli import main
+from kvmemory.demo_cases import builtin_cases, default_data_dir, hotpot_cases
+
+METHODS = ("dirty", "shift", "sur@2", "sur@5", "replay", "reprefill")
+
+
+def test_demo_writes_every_method(tmp_path, real, capsys):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--cases", "1", "--json", str(out), "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in METHODS)
+    data = json.loads(out.read_text())
+    assert set(data["methods"]) == set(METHODS)
+    for name in METHODS:
+        m = data["methods"][name]
+        assert {"agreement", "mean_kl", "recomputed_tokens", "latency_ms"} <= set(m)
+    ref, sur5, replay = data["methods"]["reprefill"], data["methods"]["sur@5"], data["methods"]["replay"]
+    assert ref["agreement"] == 1.0 and ref["mean_kl"] == 0.0
+    assert replay["mean_kl"] < 1e-6  # Replay equals Re-prefill
+    assert sur5["recomputed_tokens"] < replay["recomputed_tokens"] < ref["recomputed_tokens"]
+
+
+def test_demo_rejects_bad_budget(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--budget", "150"])
+    assert "[0, 100]" in capsys.readouterr().err
+
+
+def test_case_builders():
+    data = default_data_dir()
+    cases = hotpot_cases(data, 3) if data else builtin_cases()
+    for case in cases:
+        with_del = case.messages(with_deleted=True, with_query=False)
+        edited = case.messages(with_deleted=False, with_query=True)
+        removed = {m["id"] for m in with_del} - {m["id"] for m in edited}
+        assert removed == set(case.deleted_ids)
+        assert 0 < case.deleted < len(case.passages) - 1  # an edit in the middle
+        assert edited[-1]["id"] == "query"
+
+
+def test_integrations_and_kernels_are_not_top_level_packages(tmp_path):
+    code = (
+        "import importlib.util as u, kvmemory.kernels, langchain_kvmemory;"
+        "assert u.find_spec('kernels') is None and u.find_spec('integrations') is None"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
