@@ -35,8 +35,11 @@ class EditPlan:
     Attributes:
         ops: message-level operations in new-prompt order (deletions where they were).
         common_prefix: f, the number of leading tokens identical in the cached ids and the new
-            prompt; rows [0, f) are exact and kept as they are.
-        reuse: runs ``(new_start, old_start, length)`` of stale rows at positions >= f that keep
+            prompt; rows [0, f) keep their place.
+        exact_prefix: g <= f, the rows [0, g) that equal a Re-prefill of the new prompt. g < f
+            when an earlier sparse repair left stale rows before f; those rows are then part of
+            the repairable suffix, so that a full budget (Replay) still equals Re-prefill.
+        reuse: runs ``(new_start, old_start, length)`` of stale rows at positions >= g that keep
             their old K/V (after Shift). Their positions form the suffix s, S = sum of lengths.
         widened: keys of kept messages whose tokens did not re-tokenize identically; their rows
             are recomputed as new text instead of reused.
@@ -45,6 +48,7 @@ class EditPlan:
 
     ops: list[EditOp]
     common_prefix: int
+    exact_prefix: int
     reuse: list[tuple[int, int, int]]
     widened: list[str] = field(default_factory=list)
     new_length: int = 0
@@ -60,9 +64,9 @@ class EditPlan:
 
     @property
     def new_positions(self) -> list[int]:
-        """Positions >= f that must be computed because no valid row exists for them."""
+        """Positions >= g that must be computed because no row exists for them."""
         reused = set(self.suffix_positions)
-        return [p for p in range(self.common_prefix, self.new_length) if p not in reused]
+        return [p for p in range(self.exact_prefix, self.new_length) if p not in reused]
 
     @property
     def is_append_only(self) -> bool:
@@ -81,7 +85,9 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def plan_edits(cached_ids: Sequence[int], old: RenderedPrompt | None, new: RenderedPrompt) -> EditPlan:
+def plan_edits(
+    cached_ids: Sequence[int], old: RenderedPrompt | None, new: RenderedPrompt, exact_rows: int | None = None
+) -> EditPlan:
     """Compute the edit plan from the cached state to the ``new`` rendered prompt.
 
     Args:
@@ -89,14 +95,17 @@ def plan_edits(cached_ids: Sequence[int], old: RenderedPrompt | None, new: Rende
         old: the rendered prompt those rows were built from (None: nothing reusable but the
             common prefix).
         new: the rendered new prompt.
+        exact_rows: how many leading cached rows are exact (None: all of them).
 
     Returns:
         EditPlan; rows outside the common prefix are reused only for kept messages whose old
         and new token spans hold identical ids (otherwise the message is widened into new text).
     """
     f = common_prefix_length(cached_ids, new.token_ids)
+    g = f if exact_rows is None else min(f, exact_rows)
     ops = _message_ops(old, new)
-    reuse, widened = [], []
+    reuse = [(g, g, f - g)] if g < f else []  # stale rows already in place
+    widened = []
     for op in ops:
         if op.kind != "keep":
             continue
@@ -109,7 +118,7 @@ def plan_edits(cached_ids: Sequence[int], old: RenderedPrompt | None, new: Rende
         skip = max(0, f - n0)  # the part inside the common prefix is already exact
         if n1 - n0 - skip > 0:
             reuse.append((n0 + skip, o0 + skip, n1 - n0 - skip))
-    return EditPlan(ops=ops, common_prefix=f, reuse=reuse, widened=widened, new_length=len(new))
+    return EditPlan(ops=ops, common_prefix=f, exact_prefix=g, reuse=reuse, widened=widened, new_length=len(new))
 
 
 def _message_ops(old: RenderedPrompt | None, new: RenderedPrompt) -> list[EditOp]:

@@ -72,6 +72,8 @@ class RepairReport:
     forwarded through the model (new text + refreshed stale rows); ``refreshed_tokens`` is the
     allowance B spent on stale rows; ``reused_tokens`` rows were served from the live cache.
     ``spans`` are the computed position intervals ``[a, b)``, ``intervals`` their count.
+    ``latency_ms`` is the whole ``prepare`` call: rendering, planning, selection, Shift, refresh
+    and query prefill, up to the first-token distribution.
     ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not).
     """
 

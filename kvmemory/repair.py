@@ -26,11 +26,13 @@ from .selection import MessageSpan, SelectionInput, allowance, select, to_interv
 
 @dataclass
 class RepairResult:
-    """The repaired cache (exactly ``len(new)`` rows), fp32 next-token logits ``[vocab]``, report."""
+    """The repaired cache (exactly ``len(new)`` rows), fp32 next-token logits ``[vocab]``, the
+    report, and ``exact_rows``: how many leading rows now equal a Re-prefill (the rest is stale)."""
 
     cache: DynamicCache
     next_logits: torch.Tensor
     report: RepairReport
+    exact_rows: int
 
 
 @dataclass
@@ -104,13 +106,13 @@ def _reprefill(model, ids: torch.Tensor, report: RepairReport) -> RepairResult:
     report.recomputed_tokens = ids.shape[0]
     report.intervals, report.spans = 1, [(0, ids.shape[0])]
     report.refresh_ms = _ms(t0)
-    return RepairResult(cache, out.next_logits, report)
+    return RepairResult(cache, out.next_logits, report, ids.shape[0])
 
 
 def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, report: RepairReport) -> RepairResult:
     """Keep the exact prefix, recompute everything after it (at least the last token, for logits)."""
     t0 = time.perf_counter()
-    start = min(plan.common_prefix, ids.shape[0] - 1)
+    start = min(plan.exact_prefix, ids.shape[0] - 1)
     kvcache.crop_to(cache, start)
     out = run_sequential(model, cache, ids, [(start, ids.shape[0])])
     report.reused_tokens = start
@@ -118,7 +120,7 @@ def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, repor
     report.refreshed_tokens = plan.stale_tokens
     report.intervals, report.spans = 1, [(start, ids.shape[0])]
     report.refresh_ms = _ms(t0)
-    return RepairResult(cache, out.next_logits, report)
+    return RepairResult(cache, out.next_logits, report, ids.shape[0])
 
 
 def _sparse_refresh(ctx, cache, ids, new, plan, policy, B, report) -> RepairResult:
@@ -142,7 +144,7 @@ def _sparse_refresh(ctx, cache, ids, new, plan, policy, B, report) -> RepairResu
     report.recomputed_tokens = out.forwarded_tokens
     report.reused_tokens = ids.shape[0] - out.forwarded_tokens
     report.intervals, report.spans = len(intervals), intervals
-    return RepairResult(shifted, out.next_logits, report)
+    return RepairResult(shifted, out.next_logits, report, plan.exact_prefix)
 
 
 def _select(ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: RepairPolicy, B: int) -> list[int]:
@@ -166,9 +168,9 @@ def _select(ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: Rep
 
 def _source_rows(plan: EditPlan) -> torch.Tensor:
     """Old row index for each new position up to the last reused row (-1: to be computed)."""
-    end = max([plan.common_prefix] + [n + length for n, _, length in plan.reuse])
+    end = max([plan.exact_prefix] + [n + length for n, _, length in plan.reuse])
     rows = torch.full((end,), -1, dtype=torch.long)
-    rows[: plan.common_prefix] = torch.arange(plan.common_prefix)
+    rows[: plan.exact_prefix] = torch.arange(plan.exact_prefix)
     for n, o, length in plan.reuse:
         rows[n : n + length] = torch.arange(o, o + length)
     return rows

@@ -78,6 +78,7 @@ class KVSession:
         """Forget everything (the next ``prepare`` re-prefills)."""
         self.cache = kvcache.new_cache(self.model.config)
         self.token_ids: list[int] = []
+        self.exact_rows = 0  # leading rows equal to a Re-prefill; rows after it are stale
         self.rendered: RenderedPrompt | None = None
         self.next_logits: torch.Tensor | None = None
         self.last_report: RepairReport | None = None
@@ -122,6 +123,7 @@ class KVSession:
         The session is unchanged when an error is raised before repair starts; if the repair
         itself fails, the session resets (the next call re-prefills) and the error propagates.
         """
+        t0 = time.perf_counter()
         policy = policy or self.policy
         new_messages = normalize_messages(messages)
         if policy.operator == "dirty" and self.rendered is not None:
@@ -129,7 +131,7 @@ class KVSession:
         new, fallback = self._render(new_messages)
         self._check_fits(len(new))
         old = self.rendered if fallback is None else None
-        plan = plan_edits(self.token_ids, old, new)
+        plan = plan_edits(self.token_ids, old, new, self.exact_rows)
         query = new_messages[-1].content
         ctx = RepairContext(
             model=self.model,
@@ -145,11 +147,13 @@ class KVSession:
             self.reset()
             raise
         report = result.report
-        report.fallback = report.fallback or fallback
+        if fallback and plan.common_prefix < len(self.token_ids):  # only an edit loses segment reuse
+            report.fallback = report.fallback or fallback
+        report.latency_ms = (time.perf_counter() - t0) * 1000.0  # rendering and planning included
         if report.fallback:
             log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
         self.cache, self.token_ids, self.rendered = result.cache, list(new.token_ids), new
-        self.next_logits = result.next_logits
+        self.next_logits, self.exact_rows = result.next_logits, result.exact_rows
         self.last_report = report
         return report
 
@@ -239,6 +243,8 @@ class KVSession:
                 break
             out.append(token)
             logits = forward_rows(self.model, self.cache, torch.tensor([token]), len(self.token_ids))
+            if self.exact_rows == len(self.token_ids):  # a row computed on an exact cache is exact
+                self.exact_rows += 1
             self.token_ids.append(token)
         self.next_logits = logits if reason == "length" else None
         text = self.tokenizer.decode(out, skip_special_tokens=True)

@@ -248,3 +248,37 @@ def test_bf16_model_repairs(real):
     assert s.cache.layers[0].keys.dtype == torch.bfloat16
     s.check_invariants()
     assert s.generate(max_new_tokens=4).token_ids
+
+
+def test_three_successive_deletions_equal_one_net_deletion(tiny, tokenizer):
+    """Shift three times or once by the net amount: every kept message's rows agree. (The first
+    token of a message is excluded: ``<|im_start|>`` is shared by all messages, so the common
+    token prefix may keep the deleted message's row for it, which is equally stale.)"""
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    stepwise, net = base.fork(), base.fork()
+    for mid in ("a1", "a2", "a3"):
+        stepwise.delete_message(mid, policy=SHIFT)
+    net.prepare(without(history(), "a1", "a2", "a3"), policy=SHIFT)
+    assert stepwise.token_ids == net.token_ids
+    for seg in net.rendered.segments:
+        rows = slice(seg.token_start + 1, seg.token_end)
+        for (ka, va), (kb, vb) in zip(kvcache.layer_tensors(stepwise.cache), kvcache.layer_tensors(net.cache)):
+            torch.testing.assert_close(ka[:, :, rows], kb[:, :, rows], atol=1e-5, rtol=0)
+            torch.testing.assert_close(va[:, :, rows], vb[:, :, rows], atol=0, rtol=0)
+
+
+def test_full_budget_after_sparse_repairs_still_equals_reprefill(tiny, tokenizer):
+    """Stale rows left by earlier sparse repairs count as suffix: Replay recomputes from the first
+    stale row, so b = 100 equals Re-prefill after any sequence of edits."""
+    _, model = tiny
+    s = prepared(model, tokenizer, history())
+    s.delete_message("a1", policy=RepairPolicy(budget=10))
+    s.replace_message("t2", "[cleared]", policy=SHIFT)
+    assert s.exact_rows < len(s.token_ids)
+    new = s.messages + [QUERY]
+    ref = s.fork()
+    report = s.prepare(new, policy=RepairPolicy(budget=100))
+    ref.prepare(new, policy=REPREFILL)
+    assert_same_cache(s, ref)
+    assert s.exact_rows == len(s.token_ids) and report.reused_tokens < report.prompt_tokens

@@ -213,3 +213,21 @@ def test_mixture_of_experts_is_repaired_with_ordinary_forwards(tokenizer):
     sparse = prepared(model, tokenizer, history())
     sparse.prepare(without(history(), "t2") + [QUERY], policy=RepairPolicy(budget=20))
     sparse.check_invariants()
+
+
+def test_template_that_rewrites_history_falls_back_to_exact_prefix_reuse(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    # a header that changes with the number of messages: earlier spans are not prefix-stable
+    tok.chat_template = (
+        "{{ messages|length }} messages\n{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    model = tiny_model("llama")
+    base = prepared(model, tok, history())
+    s, ref = base.fork(), base.fork()
+    report = s.prepare(without(history(), "t2") + [QUERY], policy=RepairPolicy(budget=5))
+    ref.prepare(without(history(), "t2") + [QUERY], policy=REPREFILL)
+    assert "renders message" in report.fallback and report.stale_tokens == 0
+    torch.testing.assert_close(s.next_logits, ref.next_logits, atol=1e-4, rtol=0)
