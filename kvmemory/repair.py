@@ -79,7 +79,8 @@ def repair(
         edits={k: plan.count(k) for k in ("keep", "delete", "replace", "insert", "append") if plan.count(k)},
         widened=list(plan.widened),
     )
-    spliced = plan.common_prefix < len(cached_ids)
+    # any cached row dropped, moved or rewritten? (the last prompt token is always recomputed)
+    spliced = min(plan.exact_prefix, len(new) - 1) < len(cached_ids)
     if policy.operator == "reprefill" or (spliced and ctx.capabilities.row_reuse_reason):
         if policy.operator != "reprefill":
             report.fallback = ctx.capabilities.row_reuse_reason

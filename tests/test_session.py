@@ -191,6 +191,11 @@ def test_sliding_window_model_falls_back_to_reprefill(tokenizer):
     assert model_capabilities(model.config).row_reuse_reason
     report = _edit_and_compare(model, tokenizer, RepairPolicy(budget=5))
     assert "sliding" in report.fallback and report.recomputed_tokens == report.prompt_tokens
+    # re-sending the same prompt needs the last row rewritten: also exact recomputation
+    s = prepared(model, tokenizer, history())
+    report = s.prepare(history())
+    assert "sliding" in report.fallback
+    s.check_invariants()
 
 
 def test_dynamic_rope_falls_back_to_replay(tokenizer):
