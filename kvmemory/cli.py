@@ -56,8 +56,9 @@ def run_demo(args) -> int:
     from .models import ModelNotFoundError, load_model
     from .session import KVSession
 
-    if args.cases < 1:
-        console.print("[red]--cases must be at least 1[/red]")
+    problem = _check_demo_args(args)
+    if problem:
+        console.print(f"[red]{problem}[/red]")
         return 2
     try:
         with console.status("loading model (the embedded model is converted once, ~30 s)"):
@@ -70,7 +71,8 @@ def run_demo(args) -> int:
         cases = hotpot_cases(data_dir, args.cases, passages=args.passages, seed=args.seed)
         source = f"HotpotQA ({data_dir})"
     else:
-        cases, source = builtin_cases()[: args.cases], "built-in conversation (no data folder found)"
+        cases = builtin_cases()[: args.cases]
+        source = "the built-in conversation (no ../shared/data found; set --data or KVMEMORY_DATA for HotpotQA)"
     policies = demo_policies(args.budget)
     session = KVSession(lm.model, lm.tokenizer)
     console.print(f"model {lm.name} ({args.dtype}), {len(cases)} case(s) from {source}")
@@ -90,14 +92,40 @@ def run_demo(args) -> int:
     return 0
 
 
+def _check_demo_args(args) -> str | None:
+    """A message naming the fix for unusable demo options, checked before the model loads."""
+    from .demo_cases import HOTPOT_FILE, MAX_PASSAGES, MIN_PASSAGES
+
+    if args.cases < 1:
+        return "--cases must be at least 1"
+    if not MIN_PASSAGES <= args.passages <= MAX_PASSAGES:
+        return f"--passages must lie in [{MIN_PASSAGES}, {MAX_PASSAGES}] (2 supporting passages + distractors)"
+    if args.max_new_tokens < 1:
+        return "--max-new-tokens must be at least 1 (answers are compared with Re-prefill's)"
+    if args.data is not None and not (args.data / HOTPOT_FILE).is_file():
+        return f"--data {args.data}: {HOTPOT_FILE} not found there; pass the shared data folder (e.g. ../shared/data)"
+    if args.json is not None:
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.touch()
+        except OSError as exc:
+            return f"--json {args.json}: cannot write there ({exc.strerror}); pass a writable path"
+    return None
+
+
 def _print_case(result) -> None:
     console.print(f"\n[bold]Q:[/bold] {result.question}   [bold]gold:[/bold] {result.gold}")
     console.print(f"prompt {result.prompt_tokens} tokens after deleting a {result.deleted_tokens}-token tool result")
     table = Table("method", "= re-prefill", "first-token KL", "recomputed", "latency ms", "answer")
     for m in result.methods:
         table.add_row(m.method, "yes" if m.agrees else "no", f"{m.kl:.2e}", str(m.recomputed_tokens),
-                      f"{m.latency_ms:.0f}", m.answer.replace("\n", " ")[:48])
+                      f"{m.latency_ms:.0f}", _short(m.answer))
     console.print(table)
+
+
+def _short(answer: str, width: int = 56) -> str:
+    flat = " ".join(answer.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
 def _print_aggregate(methods: dict, n: int) -> None:

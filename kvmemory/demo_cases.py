@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HOTPOT_FILE = Path("hotpotqa") / "wikontic_hotpotqa_dev_distractor_200.json"
+MIN_PASSAGES, MAX_PASSAGES = 3, 10  # 2 supporting + at least 1 distractor; HotpotQA has 10 paragraphs
 SYSTEM_PROMPT = (
     "You are a research assistant. A search tool returns passages. Answer the user's question "
     "from the passages. Reply with the answer only, in a few words."
@@ -76,7 +77,10 @@ def hotpot_cases(data_dir: Path, n: int, *, passages: int = 6, seed: int = 0) ->
 
     Raises:
         FileNotFoundError: the HotpotQA file is missing under ``data_dir``.
+        ValueError: ``passages`` outside [3, 10].
     """
+    if not MIN_PASSAGES <= passages <= MAX_PASSAGES:
+        raise ValueError(f"passages must lie in [{MIN_PASSAGES}, {MAX_PASSAGES}] (got {passages})")
     path = Path(data_dir) / HOTPOT_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: pass --data pointing at the shared data folder")
@@ -97,7 +101,7 @@ def _hotpot_case(item: dict, passages: int, rng: random.Random) -> DemoCase | No
     paras = [Passage(t, "".join(s).strip()) for t, s in item["context"]]
     support = [p for p in paras if p.title in gold]
     others = [p for p in paras if p.title not in gold]
-    if len(support) != 2 or len(others) < passages - 2 or passages < 3:
+    if len(support) != 2 or len(others) < passages - 2:
         return None
     distractors = rng.sample(others, passages - 2)
     rest = [support[1]] + distractors[1:]

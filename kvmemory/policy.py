@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .selection import ALLOCATORS
 
@@ -30,7 +30,7 @@ class RepairPolicy(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     operator: Operator = "refresh"
-    budget: float = 5.0
+    budget: float = Field(5.0, strict=True)  # strict: "5" or True are mistakes, not 5.0 / 1.0
     allocator: str = "sur"
     seed: int = 0
 
@@ -50,6 +50,31 @@ class RepairPolicy(BaseModel):
         if value not in ALLOCATORS:
             raise ValueError(f"unknown allocator {value!r}: use one of {', '.join(sorted(ALLOCATORS))}")
         return value
+
+    @classmethod
+    def coerce(cls, policy: "RepairPolicy | str") -> "RepairPolicy":
+        """Accept a policy or its label: ``dirty``, ``shift``, ``replay``, ``reprefill`` or
+        ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``).
+
+        Raises:
+            TypeError: neither a RepairPolicy nor a str.
+            ValueError: an unknown label, budget or allocator.
+        """
+        if isinstance(policy, cls):
+            return policy
+        if not isinstance(policy, str):
+            raise TypeError(f"policy must be a RepairPolicy or a label like 'sur@5', got {type(policy).__name__}")
+        if policy in ("dirty", "shift", "replay", "reprefill", "refresh"):
+            return cls(operator=policy)
+        allocator, at, budget = policy.partition("@")
+        try:
+            return cls(operator="refresh", allocator=allocator, budget=float(budget)) if at else cls(allocator=policy)
+        except ValueError as exc:
+            detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise ValueError(
+                f"bad policy label {policy!r} ({detail}): use dirty, shift, replay, reprefill or "
+                "<allocator>@<budget> such as sur@5"
+            ) from exc
 
     @property
     def effective_budget(self) -> float:

@@ -52,9 +52,14 @@ def normalize_messages(messages: Sequence[Mapping[str, Any] | ChatMessage]) -> l
     """Validate ``[{"role", "content", "id"?, ...}, ...]`` and give each message its key.
 
     Raises:
-        MessageError: empty list, a non-mapping item, unknown role, non-string content,
-            or a duplicated id.
+        MessageError: not a list, empty list, a non-mapping item, unknown role, non-string
+            content, or a duplicated id.
     """
+    if isinstance(messages, (str, bytes, Mapping)):
+        raise MessageError(
+            f"messages must be a list of messages, got one {type(messages).__name__}: "
+            'wrap it, e.g. [{"role": "user", "content": "..."}]'
+        )
     if not messages:
         raise MessageError("the message list is empty: pass at least one message (e.g. a system or user message)")
     seen_ids: set[str] = set()
@@ -140,8 +145,20 @@ def _render(tokenizer, messages: Sequence[ChatMessage], generation_prompt: bool,
     )
 
 
-def render_prompt(tokenizer, messages: Sequence[ChatMessage], *, tools=None, generation_prompt: bool = True) -> RenderedPrompt:
+def render_prompt(
+    tokenizer,
+    messages: Sequence[ChatMessage],
+    *,
+    tools=None,
+    generation_prompt: bool = True,
+    previous: RenderedPrompt | None = None,
+) -> RenderedPrompt:
     """Render ``messages`` with the tokenizer's chat template and build the segment table.
+
+    Message boundaries come from rendering growing prefixes of the list. With ``previous`` (the
+    last rendering of this conversation), the boundaries of an unchanged leading and trailing
+    run of messages are taken from it when the text there is unchanged, so an append-only turn
+    or a single mid-history edit renders only the changed messages' prefixes, not all n.
 
     Returns:
         RenderedPrompt whose segments partition the message tokens in order.
@@ -151,19 +168,60 @@ def render_prompt(tokenizer, messages: Sequence[ChatMessage], *, tools=None, gen
             (the template rewrites earlier messages), so message spans are not stable.
     """
     text = _render(tokenizer, messages, generation_prompt, tools)
-    bounds = [0]
-    for k in range(1, len(messages) + 1):
-        part = _render(tokenizer, messages[:k], False, tools)
-        if not text.startswith(part) or len(part) < bounds[-1]:
-            raise TemplateError(
-                f"the chat template renders message {k - 1} differently once later messages follow; "
-                "kvmemory reuses only the common token prefix for this model"
-            )
-        bounds.append(len(part))
+    bounds = _message_bounds(tokenizer, messages, text, tools, previous)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
     segments = _segments(messages, text, bounds, offsets)
     return RenderedPrompt(tuple(messages), text, tuple(ids), tuple(offsets), tuple(segments))
+
+
+def _message_bounds(tokenizer, messages, text: str, tools, previous: RenderedPrompt | None) -> list[int]:
+    """Character offsets ``[0, end_0, end_1, ..., end_{n-1}]`` of the messages in ``text``."""
+    n = len(messages)
+    bounds: list[int | None] = [0] + [None] * n
+    bounds[n] = _prefix_end(tokenizer, messages, n, text, tools)
+    if previous is not None and previous.segments:
+        _reuse_previous_bounds(messages, text, previous, bounds)
+    for k in range(1, n):
+        if bounds[k] is None:
+            bounds[k] = _prefix_end(tokenizer, messages, k, text, tools)
+    if any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise TemplateError("the chat template renders messages out of order; kvmemory reuses only the common token prefix")
+    return bounds
+
+
+def _prefix_end(tokenizer, messages, k: int, text: str, tools) -> int:
+    part = _render(tokenizer, messages[:k], False, tools)
+    if not text.startswith(part):
+        raise TemplateError(
+            f"the chat template renders message {k - 1} differently once later messages follow; "
+            "kvmemory reuses only the common token prefix for this model"
+        )
+    return len(part)
+
+
+def _reuse_previous_bounds(messages, text: str, previous: RenderedPrompt, bounds: list) -> None:
+    """Fill ``bounds`` for the unchanged head and tail runs of messages from ``previous``."""
+    old, old_text = previous.segments, previous.text
+    same = lambda m, seg: m.key == seg.key and m.content_hash == seg.content_hash  # noqa: E731
+    n, m = len(messages), len(old)
+    head = 0
+    while head < min(n, m) and same(messages[head], old[head]):
+        head += 1
+    if head and text[: old[head - 1].char_end] == old_text[: old[head - 1].char_end]:
+        for k in range(1, head + 1):
+            bounds[k] = old[k - 1].char_end
+    else:
+        head = 0
+    tail = 0
+    while tail < min(n, m) - head and same(messages[n - 1 - tail], old[m - 1 - tail]):
+        tail += 1
+    if tail:
+        end, old_start, old_end = bounds[n], old[m - tail].char_start, old[m - 1].char_end
+        start = end - (old_end - old_start)
+        if start >= (bounds[head] or 0) and text[start:end] == old_text[old_start:old_end]:
+            for i in range(1, tail + 1):
+                bounds[n - i] = end - (old_end - old[m - i].char_start)
 
 
 def _segments(messages, text, bounds, offsets) -> list[Segment]:

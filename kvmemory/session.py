@@ -57,10 +57,10 @@ class KVSession:
     the session claims to hold, followed by the tokens it generated since.
     """
 
-    def __init__(self, model, tokenizer, policy: RepairPolicy | None = None, *, tools: list | None = None):
+    def __init__(self, model, tokenizer, policy: RepairPolicy | str | None = None, *, tools: list | None = None):
         self.model = model
         self.tokenizer = tokenizer
-        self.policy = policy or RepairPolicy()
+        self.policy = RepairPolicy.coerce(policy) if policy is not None else RepairPolicy()
         self.tools = tools
         self.capabilities = model_capabilities(model.config)  # static facts, reported to callers
         self._shifter = self._make_shifter()
@@ -111,7 +111,8 @@ class KVSession:
         Args:
             messages: ``[{"role", "content", "id"?}, ...]``; ids let edits be recognised as
                 replacements; without ids, messages match by role and content.
-            policy: overrides the session policy for this call.
+            policy: overrides the session policy for this call: a RepairPolicy or a label such
+                as ``"sur@5"``, ``"shift"``, ``"replay"``, ``"reprefill"``, ``"dirty"``.
 
         Returns:
             RepairReport (tokens reused / recomputed, operator, budget, latency ms, fallback).
@@ -124,7 +125,7 @@ class KVSession:
         itself fails, the session resets (the next call re-prefills) and the error propagates.
         """
         t0 = time.perf_counter()
-        policy = policy or self.policy
+        policy = RepairPolicy.coerce(policy) if policy is not None else self.policy
         new_messages = normalize_messages(messages)
         if policy.operator == "dirty" and self.rendered is not None:
             new_messages = self._dirty_messages(new_messages)
@@ -157,9 +158,11 @@ class KVSession:
         self.last_report = report
         return report
 
-    def _render(self, messages: list[ChatMessage]) -> tuple[RenderedPrompt, str | None]:
+    def _render(self, messages: list[ChatMessage], previous="session") -> tuple[RenderedPrompt, str | None]:
+        """Render with segments; on a template that rewrites history, tokens only (+ the reason)."""
+        previous = self.rendered if previous == "session" else previous
         try:
-            return render_prompt(self.tokenizer, messages, tools=self.tools), None
+            return render_prompt(self.tokenizer, messages, tools=self.tools, previous=previous), None
         except TemplateError as exc:
             # No stable message spans: reuse only the exact common token prefix.
             text = self.tokenizer.apply_chat_template(
@@ -222,12 +225,17 @@ class KVSession:
         """Decode an answer from the live cache (greedy unless ``temperature`` > 0).
 
         Stops at an end-of-turn token or after ``max_new_tokens``. The answer's rows stay in the
-        cache, so the next turn that includes this answer reuses them.
+        cache, so the next turn that includes this answer reuses them. After a ``length`` stop,
+        calling ``generate`` again continues the same answer.
 
         Raises:
-            RuntimeError: ``prepare`` has not been called since the last generation.
+            ValueError: ``max_new_tokens`` < 1.
+            RuntimeError: nothing to continue: no ``prepare`` yet, or the answer already ended
+                with an end-of-turn token (call ``prepare`` with the next messages).
             ContextOverflowError: no room left in the model's context.
         """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         if self.next_logits is None:
             raise RuntimeError("call prepare(messages) before generate(): the cache has no pending prompt")
         self._check_fits(len(self.token_ids))
@@ -262,7 +270,7 @@ class KVSession:
         (followed by generated tokens) and the cache has one row per id."""
         assert kvcache.cache_length(self.cache) == len(self.token_ids), "cache rows != token ids"
         if self.rendered is not None:
-            fresh = render_prompt(self.tokenizer, list(self.rendered.messages), tools=self.tools)
+            fresh, _ = self._render(list(self.rendered.messages), previous=None)
             n = len(fresh.token_ids)
             assert tuple(self.token_ids[:n]) == fresh.token_ids, "cached ids differ from the messages' tokenization"
 

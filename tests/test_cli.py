@@ -54,3 +54,15 @@ def test_integrations_and_kernels_are_not_top_level_packages(tmp_path):
         "assert u.find_spec('kernels') is None and u.find_spec('integrations') is None"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+
+
+def test_demo_checks_options_before_loading_the_model(tmp_path, capsys):
+    assert main(["demo", "--passages", "2"]) == 2
+    assert "--passages" in capsys.readouterr().out
+    assert main(["demo", "--data", str(tmp_path)]) == 2
+    assert "hotpotqa" in capsys.readouterr().out
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["demo", "--json", str(blocker / "sub" / "x.json")]) == 2
+    assert "writable" in capsys.readouterr().out
+    assert main(["demo", "--max-new-tokens", "0"]) == 2

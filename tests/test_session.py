@@ -236,3 +236,57 @@ def test_template_that_rewrites_history_falls_back_to_exact_prefix_reuse(tokeniz
     ref.prepare(without(history(), "t2") + [QUERY], policy=REPREFILL)
     assert "renders message" in report.fallback and report.stale_tokens == 0
     torch.testing.assert_close(s.next_logits, ref.next_logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("edit", ["delete-middle", "replace-longer", "insert-middle", "append", "several-edits"])
+def test_render_with_previous_equals_full_render_and_renders_less(tokenizer, monkeypatch, edit):
+    from test_repair import EDITS
+
+    old = render_prompt(tokenizer, normalize_messages(history()))
+    new_msgs = normalize_messages((history() + [QUERY]) if edit == "append" else EDITS[edit](history()) + [QUERY])
+    full = render_prompt(tokenizer, new_msgs)
+    calls = []
+    original = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or original(*a, **k))
+    incremental = render_prompt(tokenizer, new_msgs, previous=old)
+    assert incremental == full
+    assert len(calls) < len(new_msgs) + 1  # fewer than one render per message prefix
+
+
+def test_policy_labels_and_strict_budgets(tiny, tokenizer):
+    assert RepairPolicy.coerce("sur@5") == RepairPolicy(budget=5)
+    assert RepairPolicy.coerce("bm25@2").allocator == "bm25" and RepairPolicy.coerce("replay").operator == "replay"
+    with pytest.raises(ValueError, match="sur@5"):
+        RepairPolicy.coerce("magic@5")
+    with pytest.raises(TypeError, match="RepairPolicy"):
+        RepairPolicy.coerce(5)
+    for bad in ("5", True):
+        with pytest.raises(ValidationError):
+            RepairPolicy(budget=bad)
+    _, model = tiny
+    s = prepared(model, tokenizer, history())
+    assert s.prepare(without(history(), "t2"), policy="replay").operator == "replay"
+
+
+def test_single_message_instead_of_list_and_bad_generate_calls(tiny, tokenizer):
+    _, model = tiny
+    s = KVSession(model, tokenizer)
+    for bad in ({"role": "user", "content": "hi"}, "hello"):
+        with pytest.raises(MessageError, match="list of messages"):
+            s.prepare(bad)
+    with pytest.raises(RuntimeError, match="prepare"):
+        s.generate()
+    s.prepare(history())
+    with pytest.raises(ValueError, match="at least 1"):
+        s.generate(max_new_tokens=0)
+
+
+def test_partial_conversion_folder_is_rebuilt(tmp_path, monkeypatch):
+    """A conversion that died half-way (folder without the completion marker) is redone."""
+    monkeypatch.setenv("KVMEMORY_CACHE_DIR", str(tmp_path))
+    broken = tmp_path / "SmolLM2-135M-Instruct"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    lm = load_model()
+    assert lm.path == broken and (broken / "model.safetensors").is_file()
+    assert lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
