@@ -66,3 +66,13 @@ def test_demo_checks_options_before_loading_the_model(tmp_path, capsys):
     assert main(["demo", "--json", str(blocker / "sub" / "x.json")]) == 2
     assert "writable" in capsys.readouterr().out
     assert main(["demo", "--max-new-tokens", "0"]) == 2
+
+
+def test_example_agent_runs(real, capsys):
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "agents" / "edit_history.py"
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "clear tool output" in out and "delete first question" in out and "fallback: None" in out

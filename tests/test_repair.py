@@ -282,3 +282,21 @@ def test_full_budget_after_sparse_repairs_still_equals_reprefill(tiny, tokenizer
     ref.prepare(new, policy=REPREFILL)
     assert_same_cache(s, ref)
     assert s.exact_rows == len(s.token_ids) and report.reused_tokens < report.prompt_tokens
+
+
+def test_interval_running_past_the_cache_end_grows_the_cache(tiny, tokenizer):
+    """An interval [a, b) with a < cache length < b rewrites the rows it covers and appends the
+    rest; with a = first stale row it is exactly Replay."""
+    _, model = tiny
+    base = prepared(model, tokenizer, history())
+    new = without(history(), "a2", "t2") + [QUERY]
+    shift, replay = base.fork(), base.fork()
+    shift.prepare(new, policy=SHIFT)
+    replay.prepare(new, policy=REPLAY)
+    n, f = len(shift.token_ids), replay.last_report.reused_tokens
+    kvcache.crop_to(shift.cache, n - 7)
+    out = run_sequential(model, shift.cache, torch.tensor(shift.token_ids), [(f, n)])
+    assert kvcache.cache_length(shift.cache) == n
+    torch.testing.assert_close(out.next_logits, replay.next_logits, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="no cache rows"):
+        run_sequential(model, shift.cache, torch.tensor(shift.token_ids + [5, 6]), [(f, n)])
