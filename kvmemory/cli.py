@@ -17,7 +17,7 @@ def _budgets(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--budget takes comma-separated percentages, e.g. 2,5 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"--budget takes comma-separated percentages, e.g. 2,5 (got {text!r})") from None
     bad = [v for v in values if not 0 <= v <= 100]
     if bad or not values:
         raise argparse.ArgumentTypeError(f"budgets are percentages in [0, 100] (got {text!r})")
