@@ -129,9 +129,10 @@ def _short(answer: str, width: int = 56) -> str:
 
 
 def _print_aggregate(methods: dict, n: int) -> None:
-    table = Table("method", "agreement", "mean KL", "EM", "recomputed (mean)", "latency ms (mean)", title=f"{n} cases")
+    table = Table("method", "agreement", "mean KL", "EM", "gold in answer", "recomputed (mean)",
+                  "latency ms (mean)", title=f"{n} cases")
     for name, m in methods.items():
-        table.add_row(name, f"{m['agreement']:.2f}", f"{m['mean_kl']:.2e}", f"{m['em']:.2f}",
+        table.add_row(name, f"{m['agreement']:.2f}", f"{m['mean_kl']:.2e}", f"{m['em']:.2f}", f"{m['gold_in_answer']:.2f}",
                       f"{m['recomputed_tokens']:.0f}", f"{m['latency_ms']:.0f}")
     console.print(table)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from statistics import mean
 
 from .demo_cases import DemoCase
-from .metrics import answers_agree, exact_match, first_token_kl
+from .metrics import answers_agree, contains_gold, exact_match, first_token_kl
 from .policy import RepairPolicy
 from .session import KVSession
 
@@ -37,6 +37,7 @@ class MethodResult:
     agrees: bool
     kl: float
     exact_match: bool
+    contains_gold: bool
     recomputed_tokens: int
     reused_tokens: int
     intervals: int
@@ -78,6 +79,7 @@ def run_case(session: KVSession, case: DemoCase, policies: dict[str, RepairPolic
                 agrees=answers_agree(gen.text, ref_gen.text),
                 kl=first_token_kl(ref_gen.first_logits, gen.first_logits),
                 exact_match=exact_match(gen.text, case.answer),
+                contains_gold=contains_gold(gen.text, case.answer),
                 recomputed_tokens=report.recomputed_tokens,
                 reused_tokens=report.reused_tokens,
                 intervals=report.intervals,
@@ -91,7 +93,8 @@ def run_case(session: KVSession, case: DemoCase, policies: dict[str, RepairPolic
 
 def aggregate(cases: list[CaseResult]) -> dict[str, dict[str, float]]:
     """Per method: agreement (fraction of cases equal to Re-prefill's greedy answer), mean_kl,
-    em, recomputed_tokens (mean), latency_ms (mean post-edit), answer_ms (mean decode)."""
+    em (HotpotQA EM), gold_in_answer (normalized gold inside the answer), recomputed_tokens
+    (mean), latency_ms (mean post-edit), answer_ms (mean decode)."""
     names = [m.method for m in cases[0].methods] if cases else []
     out = {}
     for name in names:
@@ -100,6 +103,7 @@ def aggregate(cases: list[CaseResult]) -> dict[str, dict[str, float]]:
             "agreement": mean(m.agrees for m in rows),
             "mean_kl": mean(m.kl for m in rows),
             "em": mean(m.exact_match for m in rows),
+            "gold_in_answer": mean(m.contains_gold for m in rows),
             "recomputed_tokens": mean(m.recomputed_tokens for m in rows),
             "latency_ms": mean(m.latency_ms for m in rows),
             "answer_ms": mean(m.answer_ms for m in rows),
@@ -122,13 +126,13 @@ def markdown_table(meta: dict, methods: dict, n: int) -> str:
     lines = [
         f"# kvmemory demo: {n} cases, {meta.get('model')} ({meta.get('dtype')}), {meta.get('source')}",
         "",
-        "| method | agreement with Re-prefill | mean first-token KL | EM | recomputed tokens (mean) "
-        "| post-edit latency ms (mean) | decode ms (mean) |",
-        "|---|---|---|---|---|---|---|",
+        "| method | agreement with Re-prefill | mean first-token KL | EM | gold in answer "
+        "| recomputed tokens (mean) | post-edit latency ms (mean) | decode ms (mean) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, m in methods.items():
         lines.append(
-            f"| {name} | {m['agreement']:.2f} | {m['mean_kl']:.2e} | {m['em']:.2f} | "
+            f"| {name} | {m['agreement']:.2f} | {m['mean_kl']:.2e} | {m['em']:.2f} | {m['gold_in_answer']:.2f} | "
             f"{m['recomputed_tokens']:.0f} | {m['latency_ms']:.0f} | {m['answer_ms']:.0f} |"
         )
     return "\n".join(lines) + "\n"

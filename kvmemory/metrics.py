@@ -37,6 +37,13 @@ def exact_match(prediction: str, gold: str) -> bool:
     return normalize_answer(prediction) == normalize_answer(gold)
 
 
+def contains_gold(prediction: str, gold: str) -> bool:
+    """Whether the normalized gold answer occurs as a whole-word span of the normalized
+    prediction (lenient EM for models that answer in sentences)."""
+    norm_gold = normalize_answer(gold)
+    return bool(norm_gold) and f" {norm_gold} " in f" {normalize_answer(prediction)} "
+
+
 def answers_agree(a: str, b: str) -> bool:
     """Whether two greedy answers are the same text (whitespace-trimmed)."""
     return a.strip() == b.strip()
