@@ -200,13 +200,16 @@ def _prefix_end(tokenizer, messages, k: int, text: str, tools) -> int:
     return len(part)
 
 
+def _unchanged(message: ChatMessage, segment: Segment) -> bool:
+    return message.key == segment.key and message.content_hash == segment.content_hash
+
+
 def _reuse_previous_bounds(messages, text: str, previous: RenderedPrompt, bounds: list) -> None:
     """Fill ``bounds`` for the unchanged head and tail runs of messages from ``previous``."""
     old, old_text = previous.segments, previous.text
-    same = lambda m, seg: m.key == seg.key and m.content_hash == seg.content_hash  # noqa: E731
     n, m = len(messages), len(old)
     head = 0
-    while head < min(n, m) and same(messages[head], old[head]):
+    while head < min(n, m) and _unchanged(messages[head], old[head]):
         head += 1
     if head and text[: old[head - 1].char_end] == old_text[: old[head - 1].char_end]:
         for k in range(1, head + 1):
@@ -214,7 +217,7 @@ def _reuse_previous_bounds(messages, text: str, previous: RenderedPrompt, bounds
     else:
         head = 0
     tail = 0
-    while tail < min(n, m) - head and same(messages[n - 1 - tail], old[m - 1 - tail]):
+    while tail < min(n, m) - head and _unchanged(messages[n - 1 - tail], old[m - 1 - tail]):
         tail += 1
     if tail:
         end, old_start, old_end = bounds[n], old[m - tail].char_start, old[m - 1].char_end
