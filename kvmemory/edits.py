@@ -68,10 +68,6 @@ class EditPlan:
         reused = set(self.suffix_positions)
         return [p for p in range(self.exact_prefix, self.new_length) if p not in reused]
 
-    @property
-    def is_append_only(self) -> bool:
-        return not self.reuse
-
     def count(self, kind: OpKind) -> int:
         return sum(op.kind == kind for op in self.ops)
 

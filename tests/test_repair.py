@@ -80,17 +80,22 @@ def test_shift_keeps_prefix_rows_and_computes_only_new_text(tiny, tokenizer):
         assert torch.equal(k0[:, :, :f], k1[:, :, :f]) and torch.equal(v0[:, :, :f], v1[:, :, :f])
 
 
-def test_sequential_intervals_covering_the_suffix_equal_replay(tiny, tokenizer):
-    """Forwarding the whole stale suffix as several in-order intervals must equal Replay: each
-    interval reads the earlier, already refreshed ones."""
-    _, model = tiny
+def _shift_and_replay(model, tokenizer):
+    """Shift and Replay sessions after deleting a middle tool call, with the first stale
+    position f and the prompt length n."""
     base = prepared(model, tokenizer, history())
     new = without(history(), "a2", "t2") + [QUERY]
     shift, replay = base.fork(), base.fork()
     shift.prepare(new, policy=SHIFT)
     replay.prepare(new, policy=REPLAY)
-    f = replay.last_report.reused_tokens
-    n = len(shift.token_ids)
+    return shift, replay, replay.last_report.reused_tokens, len(shift.token_ids)
+
+
+def test_sequential_intervals_covering_the_suffix_equal_replay(tiny, tokenizer):
+    """Forwarding the whole stale suffix as several in-order intervals must equal Replay: each
+    interval reads the earlier, already refreshed ones."""
+    _, model = tiny
+    shift, replay, f, n = _shift_and_replay(model, tokenizer)
     cuts = [f, f + 5, f + 17, (f + n) // 2, n]
     ids = torch.tensor(shift.token_ids)
     out = run_sequential(model, shift.cache, ids, list(zip(cuts[:-1], cuts[1:])))
@@ -283,12 +288,7 @@ def test_interval_running_past_the_cache_end_grows_the_cache(tiny, tokenizer):
     """An interval [a, b) with a < cache length < b rewrites the rows it covers and appends the
     rest; with a = first stale row it is exactly Replay."""
     _, model = tiny
-    base = prepared(model, tokenizer, history())
-    new = without(history(), "a2", "t2") + [QUERY]
-    shift, replay = base.fork(), base.fork()
-    shift.prepare(new, policy=SHIFT)
-    replay.prepare(new, policy=REPLAY)
-    n, f = len(shift.token_ids), replay.last_report.reused_tokens
+    shift, replay, f, n = _shift_and_replay(model, tokenizer)
     kvcache.crop_to(shift.cache, n - 7)
     out = run_sequential(model, shift.cache, torch.tensor(shift.token_ids), [(f, n)])
     assert kvcache.cache_length(shift.cache) == n
