@@ -37,7 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=32, help="answer length limit (default 32)")
     demo.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
     demo.add_argument("--seed", type=int, default=0, help="case sampling seed")
+    _add_benchmarks(sub)
     return parser
+
+
+def _add_benchmarks(sub) -> None:
+    """``kvmemory bench <name>``: one sub-command per module registered in kvmemory.bench."""
+    import importlib
+
+    from .bench import BENCHMARKS
+
+    bench = sub.add_parser("bench", help="benchmarks (JSON + markdown + plots)")
+    names = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        parser = names.add_parser(name, help=help_text)
+        parser.set_defaults(bench_module=module)
+        importlib.import_module(f".bench.{module}", __package__).add_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "bench":
+        import importlib
+
+        return importlib.import_module(f".bench.{args.bench_module}", __package__).run(args, console)
     return 2
 
 

@@ -1,0 +1,11 @@
+"""Benchmarks behind ``kvmemory bench <name>``.
+
+Each benchmark lives in its own module of this package and exposes
+``add_arguments(parser)`` and ``run(args, console) -> int`` (exit status). Register a new one
+in :data:`BENCHMARKS`; the CLI imports a module only when its benchmark runs.
+"""
+
+from __future__ import annotations
+
+# name -> (module under kvmemory.bench, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {}
