@@ -1,0 +1,196 @@
+"""Packed layer-major refresh executor (paper §3.3, Appendix 13.2).
+
+The interval-wise executors traverse the model once per selected interval. The packed executor
+traverses it once for all of them: the selected token ids are gathered once and their
+embeddings start a compact B-row hidden-state buffer that advances through every layer
+together. At each layer, the layer's own modules (input norm, q/k/v projections, Qwen3 q/k
+norms, the model's rotary embedding at the rows' positions) give fresh K/V, which are written
+into the cache first (eq. 21); then each packed query attends to its whole causal prefix in the
+updated cache (eq. 22): fresh rows where refreshed, reused rows in the gaps, future rows masked.
+o-proj, residual, post-attention norm and MLP produce the next layer's buffer. With fixed
+positions and token-local operations outside attention this is the interval-wise recurrence in
+another order (Appendix 13.2), equal up to floating-point reduction order.
+
+Supported: dense Llama, Mistral, Qwen2 and Qwen3 decoders in eval mode, full attention, a static
+RoPE, batch 1, one device. :func:`packed_unsupported_reason` says why anything else is refused;
+callers then use the sequential executor (see ``executors.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from . import kvcache
+from .capabilities import model_capabilities
+from .execution import ForwardResult, check_positions, grow_to
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PACKED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # angles depend on the position only
+BACKENDS = ("sdpa", "triton")
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
+_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class PackedUnsupportedError(ValueError):
+    """The packed executor cannot run this model or cache; the message says why."""
+
+
+def packed_unsupported_reason(model) -> str | None:
+    """Why the packed executor cannot run ``model`` (None: it can). Checked from the config and
+    the module structure, like ``capabilities.model_capabilities``."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of the packed executor's families ({', '.join(SUPPORTED_MODEL_TYPES)})"
+    if any((getattr(config, f, 0) or 0) > 1 for f in _EXPERT_FIELDS):
+        return "mixture-of-experts layers are not supported by the packed executor"
+    reuse = model_capabilities(config).row_reuse_reason
+    if reuse:
+        return f"not full attention everywhere ({reuse.split(';')[0]})"
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "nested"
+    if rope_type not in PACKED_ROPE_TYPES:
+        return f"rope_type {rope_type!r} is not a static RoPE the packed executor supports ({', '.join(PACKED_ROPE_TYPES)})"
+    if model.training:
+        return "the model is in training mode (dropout); call model.eval() to use the packed executor"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"the model is spread over several devices ({', '.join(sorted(map(str, devices)))})"
+    return _structure_reason(model)
+
+
+def _structure_reason(model) -> str | None:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if decoder is None or not all(hasattr(decoder, p) for p in parts) or model.get_output_embeddings() is None:
+        return "the model does not expose the decoder modules the packed executor calls (custom model forward)"
+    if not type(decoder).__module__.startswith("transformers.models."):
+        return f"custom decoder class {type(decoder).__name__} (the packed executor calls transformers' own modules)"
+    for layer in decoder.layers:
+        if not all(hasattr(layer, m) for m in _LAYER_MODULES) or not all(hasattr(layer.self_attn, m) for m in _ATTN_MODULES):
+            return f"decoder layer {type(layer).__name__} lacks the norms/projections the packed executor calls"
+        if not hasattr(sys.modules[type(layer.self_attn).__module__], "apply_rotary_pos_emb"):
+            return f"{type(layer.self_attn).__name__}'s module has no apply_rotary_pos_emb"
+    return None
+
+
+def run_packed(
+    model,
+    cache: DynamicCache,
+    token_ids: torch.Tensor,
+    positions,
+    *,
+    backend: str = "sdpa",
+    in_place: bool = False,
+) -> tuple[DynamicCache, ForwardResult]:
+    """Refresh the rows at ``positions`` through every layer in one layer-major traversal
+    (paper §3.3, Appendix 13.2, eqs. 21–22).
+
+    Args:
+        cache: rows for positions ``[0, M)`` (rows at selected positions may be placeholders);
+            every position ``>= M`` must be selected. Not modified unless ``in_place``.
+        token_ids: LongTensor ``[N]``, the full prompt.
+        positions: LongTensor ``[B]`` (or list), strictly increasing positions in ``[0, N)``.
+        backend: ``"sdpa"`` (PyTorch SDPA with grouped-query heads, default) or ``"triton"``
+            (the indexed kernel in ``kvmemory.kernels``; needs a CUDA GPU or ``TRITON_INTERPRET=1``).
+        in_place: write into ``cache`` itself instead of one complete output copy.
+
+    Returns:
+        ``(cache, result)``: the refreshed cache (``cache`` itself when in place) holding N rows,
+        bit-identical to the input outside U, and a ForwardResult whose fp32 logits ``[vocab]``
+        predict the token after position N-1 when N-1 is selected (else None).
+
+    Raises:
+        PackedUnsupportedError: the model is not supported (reason in the message).
+        ValueError: bad positions or backend.
+        ImportError / kvmemory.kernels.TritonUnavailableError: backend "triton" without triton,
+            or without a GPU and without the interpreter (the message names the fix).
+    """
+    reason = packed_unsupported_reason(model)
+    if reason:
+        raise PackedUnsupportedError(reason)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown packed backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    n = token_ids.shape[0]
+    positions = check_positions(positions, kvcache.cache_length(cache), n)
+    device = next(model.parameters()).device
+    attend, write = _backend(backend, positions, device)
+    target = cache if in_place else kvcache.from_tensors(kvcache.layer_tensors(cache))
+    grow_to(target, n)
+    pos = positions.to(device)
+    hidden = _packed_hidden_states(model, target, token_ids.to(device)[pos][None], pos, attend, write)
+    logits = None
+    if int(positions[-1]) == n - 1:
+        decoder = model.get_decoder()
+        logits = model.get_output_embeddings()(decoder.norm(hidden[:, -1:]))[0, -1].float()
+    return target, ForwardResult(next_logits=logits, forwarded_tokens=int(positions.numel()))
+
+
+def _packed_hidden_states(model, cache: DynamicCache, ids: torch.Tensor, pos: torch.Tensor, attend, write):
+    """The B-row hidden-state buffer ``[1, B, hidden]`` after the last layer (before the final norm);
+    every layer's fresh K/V are written into ``cache`` on the way."""
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        hidden = model.get_input_embeddings()(ids)
+        cos, sin = decoder.rotary_emb(hidden, position_ids=pos[None])
+        for layer, cache_layer in zip(decoder.layers, cache.layers):
+            attn = layer.self_attn
+            q, k, v = _fresh_qkv(attn, layer.input_layernorm(hidden), cos, sin)
+            write(cache_layer.keys, cache_layer.values, k, v)
+            out = attend(q, cache_layer.keys, cache_layer.values, _scaling(attn, q.shape[-1]))
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden
+
+
+def _fresh_qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Fresh Q ``[1, H_q, B, d]`` and K/V ``[1, H_kv, B, d]`` of the packed rows with the attention
+    module's own projections, optional q/k norms (Qwen3) and its family's apply_rotary_pos_emb."""
+    shape = (*x.shape[:2], -1, attn.head_dim)
+    q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v
+
+
+def _scaling(attn, head_dim: int) -> float:
+    """The module's softmax scale (``head_dim ** -0.5`` unless the config sets another)."""
+    return float(getattr(attn, "scaling", head_dim**-0.5))
+
+
+def _backend(name: str, positions: torch.Tensor, device: torch.device):
+    """``(attend, write)`` closures over metadata built once per refresh and reused by every layer:
+    the ``[B, u_B+1]`` causal mask for SDPA, the tile plan (eqs. 23–24) for Triton."""
+    kv_length = int(positions[-1]) + 1
+    if name == "triton":
+        from . import kernels  # ImportError names `pip install 'kvmemory[triton]'`
+        kernels.check_available(device)
+        plan = kernels.build_plan(positions, device)
+
+        def attend(q, keys, values, scale):
+            return kernels.packed_attention(q, keys, values, plan, scale)
+
+        def write(keys, values, k, v):
+            kernels.scatter_kv(keys, values, k, v, plan)
+
+        return attend, write
+    pos = positions.to(device)
+    mask = (torch.arange(kv_length, device=device)[None] <= pos[:, None])[None, None]
+
+    def attend_sdpa(q, keys, values, scale):
+        k, v = keys[:, :, :kv_length], values[:, :, :kv_length]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    def write_torch(keys, values, k, v):
+        keys.index_copy_(2, pos, k)
+        values.index_copy_(2, pos, v)
+
+    return attend_sdpa, write_torch
