@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .selection import ALLOCATORS
 
 Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
+Executor = Literal["auto", "packed", "sequential", "direct"]
+Backend = Literal["sdpa", "triton"]
 
 
 class RepairPolicy(BaseModel):
@@ -23,8 +25,15 @@ class RepairPolicy(BaseModel):
     - ``reprefill``: rebuild the whole prompt from an empty cache.
     - ``dirty``: reference only: ignore deletions/replacements and answer from the unedited cache.
 
+    ``executor`` picks how a sparse refresh is computed (Appendix 13): ``auto`` (default) uses
+    the direct sequential executor for one interval and the packed executor for several;
+    ``packed``, ``sequential`` (prefix copies, the paper's reference) and ``direct`` force one.
+    ``backend`` is the packed executor's attention: ``sdpa`` (default) or ``triton`` (GPU, or
+    ``TRITON_INTERPRET=1``). Labels (``sur@5``) keep the defaults for both.
+
     Raises:
-        pydantic.ValidationError (a ValueError): budget outside [0, 100], unknown allocator.
+        pydantic.ValidationError (a ValueError): budget outside [0, 100], unknown allocator,
+            executor or backend.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -33,6 +42,8 @@ class RepairPolicy(BaseModel):
     budget: float = Field(5.0, strict=True)  # strict: "5" or True are mistakes, not 5.0 / 1.0
     allocator: str = "sur"
     seed: int = 0
+    executor: Executor = "auto"
+    backend: Backend = "sdpa"
 
     @field_validator("budget")
     @classmethod
@@ -100,6 +111,8 @@ class RepairReport:
     ``latency_ms`` is the whole ``prepare`` call: rendering, planning, selection, Shift, refresh
     and query prefill, up to the first-token distribution.
     ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not).
+    ``executor`` names what computed the rows (``sequential``, ``direct``, ``packed-sdpa``,
+    ``packed-triton``); ``executor_fallback`` says why the requested executor was replaced.
     """
 
     operator: str
@@ -116,6 +129,8 @@ class RepairReport:
     edits: dict[str, int] = field(default_factory=dict)
     widened: list[str] = field(default_factory=list)
     fallback: str | None = None
+    executor: str | None = None
+    executor_fallback: str | None = None
     selection_ms: float = 0.0
     shift_ms: float = 0.0
     refresh_ms: float = 0.0

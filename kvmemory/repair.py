@@ -3,7 +3,8 @@
 Every sparse arm starts from the Shift cache (paper §7.1): rows of deleted text are dropped,
 kept rows move to their new positions with their keys rotated (eq. 2), new text is prefilled at
 its place, and B = min(S, ceil(S·b/100)) stale suffix positions chosen by the allocator are
-recomputed through every layer by the sequential-interval executor.
+recomputed through every layer by the executor ``policy.executor`` selects (``executors.py``:
+direct sequential for one interval, packed for several, unless overridden).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from . import kvcache
 from .capabilities import Capabilities
 from .edits import EditPlan
 from .execution import run_sequential
+from .executors import choose_executor, executor_label, run_refresh
 from .policy import RepairPolicy, RepairReport
 from .positions import RotaryShifter
 from .prompt import RenderedPrompt
@@ -105,7 +107,7 @@ def _reprefill(model, ids: torch.Tensor, report: RepairReport) -> RepairResult:
     cache = kvcache.new_cache(model.config)
     out = run_sequential(model, cache, ids, [(0, ids.shape[0])])
     report.recomputed_tokens = ids.shape[0]
-    report.intervals, report.spans = 1, [(0, ids.shape[0])]
+    report.intervals, report.spans, report.executor = 1, [(0, ids.shape[0])], "sequential"
     report.refresh_ms = _ms(t0)
     return RepairResult(cache, out.next_logits, report, ids.shape[0])
 
@@ -119,7 +121,7 @@ def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, repor
     report.reused_tokens = start
     report.recomputed_tokens = ids.shape[0] - start
     report.refreshed_tokens = plan.stale_tokens
-    report.intervals, report.spans = 1, [(start, ids.shape[0])]
+    report.intervals, report.spans, report.executor = 1, [(start, ids.shape[0])], "sequential"
     report.refresh_ms = _ms(t0)
     return RepairResult(cache, out.next_logits, report, ids.shape[0])
 
@@ -129,17 +131,21 @@ def _sparse_refresh(ctx, cache, ids, new, plan, policy, B, report) -> RepairResu
     selected = _select(ctx, new, plan, policy, B)
     report.selection_ms = _ms(t0)
 
+    intervals = to_intervals(sorted(set(plan.new_positions) | set(selected)))
+    if not intervals or intervals[-1][1] != ids.shape[0]:
+        intervals = to_intervals(sorted(set(plan.new_positions) | set(selected) | {ids.shape[0] - 1}))
+    choice = choose_executor(policy.executor, len(intervals), ctx.model)
+    report.executor, report.executor_fallback = executor_label(choice, policy.backend), choice.fallback
+
     t1 = time.perf_counter()
-    rows = _source_rows(plan)
+    # packed and direct write rows in place: give them all N rows at once (placeholders included)
+    rows = _source_rows(plan, ids.shape[0] if choice.name != "sequential" else None)
     shifted = kvcache.gather_rows(cache, rows)
     report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
     report.shift_ms = _ms(t1)
 
     t2 = time.perf_counter()
-    intervals = to_intervals(sorted(set(plan.new_positions) | set(selected)))
-    if not intervals or intervals[-1][1] != ids.shape[0]:
-        intervals = to_intervals(sorted(set(plan.new_positions) | set(selected) | {ids.shape[0] - 1}))
-    out = run_sequential(ctx.model, shifted, ids, intervals)
+    out = run_refresh(ctx.model, shifted, ids, intervals, choice, policy.backend)
     report.refresh_ms = _ms(t2)
     report.refreshed_tokens = B
     report.recomputed_tokens = out.forwarded_tokens
@@ -167,9 +173,10 @@ def _select(ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: Rep
     return select(policy.allocator, inp, B, embedding=embedding, seed=policy.seed)
 
 
-def _source_rows(plan: EditPlan) -> torch.Tensor:
-    """Old row index for each new position up to the last reused row (-1: to be computed)."""
-    end = max([plan.exact_prefix] + [n + length for n, _, length in plan.reuse])
+def _source_rows(plan: EditPlan, total: int | None = None) -> torch.Tensor:
+    """Old row index for each new position up to the last reused row, or up to ``total`` rows
+    (-1: to be computed)."""
+    end = max([plan.exact_prefix, total or 0] + [n + length for n, _, length in plan.reuse])
     rows = torch.full((end,), -1, dtype=torch.long)
     rows[: plan.exact_prefix] = torch.arange(plan.exact_prefix)
     for n, o, length in plan.reuse:
