@@ -87,6 +87,7 @@ def run_packed(
     *,
     backend: str = "sdpa",
     in_place: bool = False,
+    fused_scatter: bool = False,
 ) -> tuple[DynamicCache, ForwardResult]:
     """Refresh the rows at ``positions`` through every layer in one layer-major traversal
     (paper §3.3, Appendix 13.2, eqs. 21–22).
@@ -99,6 +100,8 @@ def run_packed(
         backend: ``"sdpa"`` (PyTorch SDPA with grouped-query heads, default) or ``"triton"``
             (the indexed kernel in ``kvmemory.kernels``; needs a CUDA GPU or ``TRITON_INTERPRET=1``).
         in_place: write into ``cache`` itself instead of one complete output copy.
+        fused_scatter: with ``backend="triton"``, write fresh K/V with the one-launch Triton
+            scatter instead of torch indexed writes (the default, as in the paper's measurements).
 
     Returns:
         ``(cache, result)``: the refreshed cache (``cache`` itself when in place) holding N rows,
@@ -119,7 +122,7 @@ def run_packed(
     n = token_ids.shape[0]
     positions = check_positions(positions, kvcache.cache_length(cache), n)
     device = next(model.parameters()).device
-    attend, write = _backend(backend, positions, device)
+    attend, write = _backend(backend, positions, device, fused_scatter)
     target = cache if in_place else kvcache.from_tensors(kvcache.layer_tensors(cache))
     grow_to(target, n)
     pos = positions.to(device)
@@ -166,31 +169,33 @@ def _scaling(attn, head_dim: int) -> float:
     return float(getattr(attn, "scaling", head_dim**-0.5))
 
 
-def _backend(name: str, positions: torch.Tensor, device: torch.device):
+def _backend(name: str, positions: torch.Tensor, device: torch.device, fused_scatter: bool):
     """``(attend, write)`` closures over metadata built once per refresh and reused by every layer:
     the ``[B, u_B+1]`` causal mask for SDPA, the tile plan (eqs. 23–24) for Triton."""
     kv_length = int(positions[-1]) + 1
+    pos = positions.to(device)
+
+    def write_torch(keys, values, k, v):
+        keys.index_copy_(2, pos, k)
+        values.index_copy_(2, pos, v)
+
     if name == "triton":
         from . import kernels  # ImportError names `pip install 'kvmemory[triton]'`
+
         kernels.check_available(device)
         plan = kernels.build_plan(positions, device)
 
-        def attend(q, keys, values, scale):
+        def attend_triton(q, keys, values, scale):
             return kernels.packed_attention(q, keys, values, plan, scale)
 
-        def write(keys, values, k, v):
+        def write_fused(keys, values, k, v):
             kernels.scatter_kv(keys, values, k, v, plan)
 
-        return attend, write
-    pos = positions.to(device)
+        return attend_triton, write_fused if fused_scatter else write_torch
     mask = (torch.arange(kv_length, device=device)[None] <= pos[:, None])[None, None]
 
     def attend_sdpa(q, keys, values, scale):
         k, v = keys[:, :, :kv_length], values[:, :, :kv_length]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-    def write_torch(keys, values, k, v):
-        keys.index_copy_(2, pos, k)
-        values.index_copy_(2, pos, v)
 
     return attend_sdpa, write_torch

@@ -3,13 +3,16 @@ Llama / Qwen2 / Qwen3 models that share its tokenizer (so chat templates are rea
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from kvmemory.models import load_model
 from support import tiny_model
 
-torch.set_num_threads(2)
+# 2 threads by default; OMP_NUM_THREADS=1 wins on a shared, oversubscribed machine (spin-waits)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 2))
 
 
 @pytest.fixture(scope="session")
