@@ -8,4 +8,6 @@ in :data:`BENCHMARKS`; the CLI imports a module only when its benchmark runs.
 from __future__ import annotations
 
 # name -> (module under kvmemory.bench, one-line help)
-BENCHMARKS: dict[str, tuple[str, str]] = {}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "refresh": ("refresh", "refresh timing: sequential, direct, one-shot and packed executors (paper §4.4)"),
+}
