@@ -128,11 +128,13 @@ def run(args, console) -> int:
             except ValueError as exc:
                 console.print(f"[red]{exc}: change --contexts/--intervals/--positions[/red]")
                 return 2
+    load_at_start = list(os.getloadavg())
     model, name = _load(args, device, dtype)
     rows: list[Row] = []
     for n in contexts:
         rows += _bench_context(model, n, args, executors, device, console)
     meta = _meta(args, name, dtype, device, contexts, executors)
+    meta["loadavg"] = load_at_start  # 1/5/15-minute load when the run started (other jobs share the CPU)
     _write(args.out, meta, rows, console)
     return 0
 
@@ -272,7 +274,7 @@ def _meta(args, name, dtype, device, contexts, executors) -> dict:
     return {
         "model": name, "dtype": str(dtype).replace("torch.", ""), "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
-        "threads": args.threads, "cpu_count": os.cpu_count(), "loadavg": list(os.getloadavg()),
+        "threads": args.threads, "cpu_count": os.cpu_count(),
         "contexts": contexts, "intervals": args.intervals, "positions": args.positions, "deleted": DELETED,
         "warmup": args.warmup, "trials": args.trials, "executors": executors, "seed": args.seed,
         "torch": torch.__version__, "transformers": transformers.__version__,
