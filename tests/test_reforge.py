@@ -135,16 +135,14 @@ def test_edits_and_updates_compose(tokenizer, order):
     if order == "edit_then_update":
         s.prepare(edited)
         nudge(pm, 2, "v_proj")
-        s.generate(1)  # the update is noticed and repaired before decoding
+        got = s.generate(1).first_logits  # the update is noticed and repaired before decoding
     else:
         nudge(pm, 2, "v_proj")
-        s.prepare(edited)  # maintenance first, then the edit repair
-    ref = fresh_logits(pm, tokenizer, edited)
-    s2 = s if order == "update_then_edit" else None
-    if s2 is not None:
-        assert torch.allclose(s.next_logits, ref.next_logits, atol=1e-4)
+        s.prepare(edited)  # maintenance first, then the edit repair (boundary rows follow the edit)
+        got = s.next_logits
+    assert torch.allclose(got, fresh_logits(pm, tokenizer, edited).next_logits, atol=1e-4)
     s.check_invariants()
-    assert not s.adapter_versions.mixed
+    assert not s.adapter_versions.mixed and s.reforge.last_report.action == "full_suffix"
 
 
 def test_generate_after_update_matches_fresh(tokenizer):
@@ -265,27 +263,26 @@ def real_lora(real):
 
 @pytest.mark.real_model
 def test_real_model_suffix_recovery_bounded_and_certificates(real_lora, tokenizer):
+    """SmolLM2 + rank-8 LoRA on v_proj@15: one online step, then the analysis certificates,
+    a bounded window (mixed versions) and the exact suffix [15, 30) equal to a fresh prefill."""
     model, target = real_lora
+    msgs = history()[:4] + [QUERY]
     assert target == "v_proj@15"
     s = KVSession(model, tokenizer, "replay", reforge=ReforgeConfig())
-    s.prepare(MSGS)
+    s.prepare(msgs)
     assert tuple(s.reforge.boundaries.states) == (15,)
-    online = OnlineAdapter(model, tokenizer, {}, lr=1e-2)
     stale = s.fork()
-    for _ in range(3):
-        online.update(history()[:4], "Helmsford")
+    OnlineAdapter(model, tokenizer, {}, lr=5e-2).update(history()[:2], "Helmsford")
     run = hybrid_executions(stale)
     certs = certificates(run)
-    assert run.start == 15 and all(c.kl_holds and c.top1_holds for c in certs)
+    assert run.start == 15 and all(c.kl_holds and c.top1_holds for c in certs) and certs[0].kl > 0
     bounded = s.fork()
     bounded.reforge.config = ReforgeConfig(policy="fixed_window")
     assert bounded.reforge.maintain(bounded).end == 17 and bounded.adapter_versions.mixed
     report = s.reforge.maintain(s)
-    ref = fresh_logits(model, tokenizer, MSGS)
+    ref = fresh_logits(model, tokenizer, msgs)
     assert (report.start, report.end) == (15, 30)
     assert torch.allclose(s.next_logits, ref.next_logits, atol=1e-4)
+    assert torch.allclose(run.fresh, ref.next_logits, atol=1e-4)
     stale.reforge.maintain(stale, policy="stale")
     assert first_token_kl(ref.next_logits, stale.next_logits) > first_token_kl(ref.next_logits, bounded.next_logits)
-    for module in model.modules():
-        for p in getattr(module, "lora_B", {}).values() if hasattr(module, "lora_B") else []:
-            torch.nn.init.zeros_(p.weight)

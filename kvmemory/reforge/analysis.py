@@ -52,10 +52,10 @@ class HybridRun:
         return self.logits[min(self.start + h, self.num_layers)]
 
 
-def hybrid_executions(session, current: AdapterState | None = None) -> HybridRun:
-    """All hybrid executions z^(b), b = r..N, for ``session``'s (stale) cache under the active
-    adapter. The session is not modified. Cost: one layer run of ``[r, N)`` over the prefix +
-    ``N − r + 1`` one-token forwards.
+def hybrid_executions(session, current: AdapterState | None = None, windows=None) -> HybridRun:
+    """Hybrid executions z^(b) for ``session``'s (stale) cache under the active adapter: every
+    b = r..N, or only b = r + h for h in ``windows`` (plus N). The session is not modified.
+    Cost: one layer run of ``[r, N)`` over the prefix + one one-token forward per boundary.
 
     Raises:
         ValueError: the session has no cache, or nothing is stale (no update since prefill).
@@ -77,19 +77,27 @@ def hybrid_executions(session, current: AdapterState | None = None) -> HybridRun
     if start < n:
         hidden = embed(session.model, ids[:-1]) if start == 0 else state.boundaries.states[start].hidden[:, : rows - 1]
         fresh_kv = run_layers(session.model, hidden, start, n).kv
+    wanted = set(range(start, n + 1)) if windows is None else {min(start + h, n) for h in windows} | {n}
     logits = {}
     for b in range(start, n + 1):
         if b > start:
             k, v = fresh_kv[b - 1]
             hybrid.layers[b - 1].keys[:, :, : rows - 1] = k
             hybrid.layers[b - 1].values[:, :, : rows - 1] = v
-        logits[b] = forward_rows(session.model, hybrid, ids[-1:], rows - 1)
-        kvcache.crop_to(hybrid, rows - 1)
+        if b in wanted:
+            logits[b] = forward_rows(session.model, hybrid, ids[-1:], rows - 1)
+            kvcache.crop_to(hybrid, rows - 1)
     return HybridRun(start, r_kv, n, logits, fresh_kv, stale)
 
 
 def tail_influence(run: HybridRun) -> dict[int, float]:
-    """T_b = Σ_{ℓ=b}^{N−1} ‖z^(ℓ) − z^(ℓ+1)‖₂ (eq. 2) for every b in ``[r, N]`` (T_N = 0)."""
+    """T_b = Σ_{ℓ=b}^{N−1} ‖z^(ℓ) − z^(ℓ+1)‖₂ (eq. 2) for every b in ``[r, N]`` (T_N = 0).
+
+    Raises:
+        ValueError: ``run`` holds only some boundaries (pass ``windows=None``).
+    """
+    if len(run.logits) != run.num_layers - run.start + 1:
+        raise ValueError("tail influence needs every hybrid execution: call hybrid_executions(..., windows=None)")
     out = {run.num_layers: 0.0}
     total = 0.0
     for layer in range(run.num_layers - 1, run.start - 1, -1):

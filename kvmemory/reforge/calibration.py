@@ -177,7 +177,7 @@ def calibrate(model, tokenizer, samples, versions, key: ProfileKey, *, gaps=(1, 
             for pair in (p for p in pairs if p[0] == a):
                 load_version(model, versions[pair[1]])
                 after = capture_adapter(model, num_layers)
-                run = hybrid_executions(session, after)  # leaves the session untouched
+                run = hybrid_executions(session, after, windows=WINDOWS)  # leaves the session untouched
                 restarts[pair], distances[pair] = run.start, after.distance(before)
                 windows = candidate_windows(run.start, num_layers)
                 scores[pair].append(score_windows(session, run, windows, sample.answer, answer_tokens, tokenizer))

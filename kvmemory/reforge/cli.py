@@ -26,10 +26,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", type=int, default=None, help="LoRA layer (default: the middle layer N//2)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     parser.add_argument("--magnitude", type=float, default=1e-2, help="update magnitude = Adam step size (default 1e-2)")
-    parser.add_argument("--passages", type=int, default=None, help="passages per prompt (default 3; quick 2)")
+    parser.add_argument("--passages", type=int, default=None, help="passages per prompt (default 2, the supporting ones)")
     parser.add_argument("--calib-samples", type=int, default=None, help="calibration prompts (default 2; quick 1)")
     parser.add_argument("--answer-tokens", type=int, default=None,
-                        help="greedy answer length for task scores (default 4; quick 3; 0 disables)")
+                        help="greedy answer length for held-out task scores (default 4; quick 3; 0 disables)")
+    parser.add_argument("--calib-answer-tokens", type=int, default=0,
+                        help="greedy answer length for the calibration task-score criterion (default 0: KL and "
+                        "top-1 only, since each window then costs a decode)")
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Workload:
     data_dir: Path
     passages: int
     answer_tokens: int
+    calib_answer_tokens: int
 
 
 def check_workload_args(args) -> str | None:
@@ -66,9 +70,10 @@ def load_workload(args, console) -> Workload:
     with console.status("loading model"):
         lm = load_model(args.model, args.dtype)
     model, target, adapter_config = attach_lora(lm.model, args.target, args.layer, args.rank, 2 * args.rank)
-    passages = args.passages or (2 if args.quick else 3)
+    passages = args.passages or 2
     answer_tokens = args.answer_tokens if args.answer_tokens is not None else (3 if args.quick else 4)
-    return Workload(lm, model, lm.tokenizer, target, adapter_config, args.data, passages, answer_tokens)
+    return Workload(lm, model, lm.tokenizer, target, adapter_config, args.data, passages, answer_tokens,
+                    args.calib_answer_tokens)
 
 
 def context_regime(passages: int) -> str:
@@ -92,7 +97,7 @@ def run_calibration(w: Workload, args, console, *, samples: int, updates: int, s
     pairs = [(a, g) for a in starts for g in gaps if a + g <= updates]
     with tqdm(total=len(pairs) * len(calib), desc="calibration conditions") as bar:
         profile = calibrate(
-            w.model, w.tokenizer, calib, versions, key, gaps=gaps, starts=starts, answer_tokens=w.answer_tokens,
+            w.model, w.tokenizer, calib, versions, key, gaps=gaps, starts=starts, answer_tokens=w.calib_answer_tokens,
             progress=bar, load_version=load_snapshot,
             make_session=lambda: KVSession(w.model, w.tokenizer, "replay", reforge=ReforgeConfig()),
         )

@@ -124,7 +124,7 @@ class BoundaryStore:
             ref = old.hidden if old is not None else new_caps[0][1]
             hidden = ref.new_zeros((1, rows, ref.shape[-1]))
             filled = torch.zeros(rows, dtype=torch.bool)
-            kept_old = False
+            from_old = torch.zeros(rows, dtype=torch.bool)
             if old is not None:
                 if source_rows is None:
                     src = torch.arange(min(old.hidden.shape[1], rows))
@@ -135,15 +135,17 @@ class BoundaryStore:
                 if keep.numel():
                     hidden[:, keep] = old.hidden[:, src[keep]]
                     filled[keep] = True
-                    kept_old = True
+                    from_old[keep] = True
             for positions, h in new_caps:
                 inside = positions < rows
                 hidden[:, positions[inside]] = h[:, inside]
                 filled[positions[inside]] = True
+                from_old[positions[inside]] = False
             if not bool(filled.all()):
                 self.states.pop(r, None)
                 continue
-            version = old.version if (kept_old and old is not None) else current
+            # rows still from the old state keep the boundary labelled with the older version
+            version = old.version if (old is not None and bool(from_old.any())) else current
             self.states[r] = Boundary(hidden, version)
 
     def write(self, layer: int, hidden: torch.Tensor, version: AdapterState) -> None:

@@ -82,9 +82,10 @@ def decide(
             risks = [s * d for s, d in zip(profile.sensitivity, distances)]
             triggered = [layer for layer in invalid if risks[layer] >= 1.0]
         elif policy == "drift_only":
-            if profile is None or profile.drift_threshold is None:
-                raise ValueError("policy 'drift_only' needs a profile with a drift threshold: run `kvmemory calibrate`")
-            triggered = [layer for layer in invalid if distances[layer] >= profile.drift_threshold]
+            if profile is None:
+                raise ValueError("policy 'drift_only' needs a calibration profile: run `kvmemory calibrate`")
+            tau = profile.drift_threshold  # None: no calibration condition needed recovery
+            triggered = [layer for layer in invalid if tau is not None and distances[layer] >= tau]
         if triggered:
             end = 1 + max(triggered)
     return Decision(policy, r_kv, start, end, triggered, list(distances), risks)

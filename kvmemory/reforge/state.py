@@ -57,7 +57,9 @@ class ReforgeReport:
     """One maintenance step. ``action``: reuse / bounded / full_suffix / reprefill; layers
     ``[start, end)`` executed over ``rows`` rows; ``recompute_pct`` = (b_t − r)/N·100 (%);
     ``reanchored``: layers found exactly valid and re-anchored without compute; ``ms``: wall
-    time (ms) including the last-row forward; ``mixed``: the cache mixes adapter versions after."""
+    time (ms) of the whole step, of which ``request_ms`` recomputed the last row (the pending
+    request's first token) and the rest is cache maintenance; ``mixed``: the cache mixes adapter
+    versions afterwards."""
 
     adapter_version: str | None
     policy: str
@@ -72,7 +74,13 @@ class ReforgeReport:
     stale_layers: list[int] = field(default_factory=list)
     mixed: bool = False
     ms: float = 0.0
+    request_ms: float = 0.0
     note: str | None = None
+
+    @property
+    def maintenance_ms(self) -> float:
+        """Cache-maintenance time (ms): digests, policy, layer execution, K/V writes."""
+        return self.ms - self.request_ms
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -191,9 +199,12 @@ class ReforgeState:
                           self.config.profile, self.config.window)
         if decision.action != "reuse":
             self._execute(session, decision.start, decision.end, current)
+        t1 = time.perf_counter()
         if decision.action != "reuse" or self.logits_version != current.digest:  # the prefix changed
             self._refresh_last_row(session, current)
-        return self._report(current, policy, decision, rows, reanchored, t0)
+        report = self._report(current, policy, decision, rows, reanchored, t0)
+        report.request_ms = (time.perf_counter() - t1) * 1000.0
+        return report
 
     def _reanchor_unchanged(self, current: AdapterState) -> tuple[list[int], list[int]]:
         """Layers whose K/V the change cannot reach keep their rows and take the new anchor."""
@@ -248,8 +259,9 @@ class ReforgeState:
             mixed=versions.mixed,
             ms=(time.perf_counter() - t0) * 1000.0,
         )
-        if decision and action != "reuse" and decision.start < decision.r_kv and decision.start not in self.boundaries.states:
-            report.note = f"no valid boundary at the restart layer: executed from layer {decision.start}"
+        if decision and action != "reuse" and decision.start == 0 and decision.r_kv > 1:
+            report.note = "no valid retained boundary state below the update: executed from the embedding (exact, slower)"
+            log.info("kvmemory: %s", report.note)
         if versions.stale_layers:
             log.info("kvmemory: cache layers %s still hold an older adapter version", versions.stale_layers)
         self.last_report = report

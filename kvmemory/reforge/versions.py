@@ -41,6 +41,8 @@ def lora_modules(model, adapter: str = "default") -> list[LoraModule]:
     Raises:
         ValueError: a module uses DoRA (its magnitude vector is not covered by the digest).
     """
+    if not any(hasattr(m, "lora_A") for m in model.modules()):
+        return []  # no LoRA anywhere: do not import peft for plain models
     from peft.tuners.lora import LoraLayer
 
     found = []
