@@ -15,6 +15,8 @@ CALIBRATION_SEED = 53  # the paper froze RQ4 profiles on calibration seeds 53 an
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("reforge-profile.json"), help="profile JSON to write")
     parser.add_argument("--quick", action="store_true", help="1 prompt, a 4-update trajectory (minutes)")
+    parser.add_argument("--updates", type=int, default=None,
+                        help="calibration trajectory length (default 32; quick 4); longer gaps are dropped")
     add_workload_arguments(parser)
 
 
@@ -54,9 +56,15 @@ def check_workload_args(args) -> str | None:
     """A message naming the fix for unusable options (checked before the model loads)."""
     from ..demo_cases import default_data_dir
 
+    from .workload import WIKI_FILE
+    from ..demo_cases import HOTPOT_FILE
+
     data = args.data or default_data_dir()
     if data is None:
         return "no shared data folder found: pass --data pointing at ../shared/data (HotpotQA + 2Wiki)"
+    missing = [str(f) for f in (HOTPOT_FILE, WIKI_FILE) if not (Path(data) / f).is_file()]
+    if missing:
+        return f"--data {data}: {', '.join(missing)} not found there; pass the shared data folder (../shared/data)"
     args.data = Path(data)
     if args.rank < 1 or args.magnitude <= 0:
         return "--rank must be >= 1 and --magnitude > 0"
@@ -113,11 +121,15 @@ def calibration_plan(quick: bool) -> dict:
 
 def run(args, console) -> int:
     problem = check_workload_args(args)
+    if args.updates is not None and args.updates < 1:
+        problem = "--updates must be at least 1"
     if problem:
         console.print(f"[red]{problem}[/red]")
         return 2
-    w = load_workload(args, console)
     plan = calibration_plan(args.quick)
+    if args.updates is not None:
+        plan["updates"] = args.updates
+    w = load_workload(args, console)
     samples = args.calib_samples or (1 if args.quick else 2)
     profile = run_calibration(w, args, console, samples=samples, **plan)
     profile.save(args.out)
