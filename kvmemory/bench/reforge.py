@@ -55,6 +55,8 @@ def run(args, console) -> int:
         samples = args.calib_samples or (1 if args.quick else 2)
         profile = run_calibration(w, args, console, samples=samples, **calibration_plan(args.quick))
     calibration_s = time.perf_counter() - t0
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile.save(args.out / "reforge-profile.json")  # the frozen profile the held-out run used
     result = evaluate(w, args, profile, updates, n_samples, score_every)
     result["calibration_s"] = calibration_s
     write_outputs(args.out, result, console)
