@@ -174,7 +174,7 @@ def _summary(w, args, profile, per_method, certs, horizon, updates, held_out, pr
             "maintenance_s": statistics.fmean(agg["maint"]),
             "request_s": statistics.fmean(agg["request"]),
             "actions_per_trajectory": {a: statistics.fmean(x[a] for x in agg["actions"]) for a in ("reuse", "bounded", "full_suffix")}
-            if agg["actions"] and agg["actions"][0] else None,
+            if m != "fresh" else None,
         }
     stale, cr, fresh = methods["stale"], methods["cachereforge"], methods["fresh"]
     targets = {
@@ -225,6 +225,12 @@ def markdown(r: dict) -> str:
         f"{r['model']} ({r['dtype']}), LoRA {r['adapter_config']} on {r['update_target']}, {r['updates']} consecutive "
         f"updates of magnitude {r['magnitude']}, {len(r['held_out'])} held-out prompts "
         f"(mean {r['prompt_tokens_mean']:.0f} tokens), task score = token F1 (%) of a {r['answer_tokens']}-token greedy answer.",
+        "",
+        "Maintenance = bringing the cached prefix to the current adapter (fresh: prefilling all but the last prompt "
+        "token); every method then recomputes the last prompt token through all layers (request column). Times are "
+        "summed over a trajectory and averaged across trajectories (S2.1); KL / top-1 / recompute are means over "
+        f"versions. Calibration task-score criterion: {r.get('calibration_answer_tokens', 0)}-token answers (0 = off, "
+        "KL and top-1 only).",
         "",
         "| method | task score (%) | KL | top-1 (%) | recomputed layers (%) | maintenance (s / trajectory) "
         "| last-token request (s / trajectory) |",
