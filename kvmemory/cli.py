@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=32, help="answer length limit (default 32)")
     demo.add_argument("--json", type=Path, default=None, help="write every figure to this JSON file")
     demo.add_argument("--seed", type=int, default=0, help="case sampling seed")
+    from .reforge import cli as reforge_cli
+
+    reforge_cli.add_arguments(sub.add_parser("calibrate", help="freeze a CacheReforge calibration profile (JSON)"))
     _add_benchmarks(sub)
     return parser
 
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "calibrate":
+        from .reforge import cli as reforge_cli
+
+        return reforge_cli.run(args, console)
     if args.command == "bench":
         import importlib
 

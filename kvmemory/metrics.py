@@ -47,3 +47,13 @@ def contains_gold(prediction: str, gold: str) -> bool:
 def answers_agree(a: str, b: str) -> bool:
     """Whether two greedy answers are the same text (whitespace-trimmed)."""
     return a.strip() == b.strip()
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """HotpotQA/SQuAD token F1 in [0, 1] between normalized prediction and gold."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    common = sum(min(pred.count(w), ref.count(w)) for w in set(pred) & set(ref))
+    if not pred or not ref or common == 0:
+        return float(pred == ref)
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)

@@ -17,6 +17,7 @@ from .execution import forward_rows
 from .policy import RepairPolicy, RepairReport
 from .positions import RotaryShifter, ShiftUnsupportedError
 from .prompt import ChatMessage, RenderedPrompt, TemplateError, normalize_messages, render_prompt
+from .reforge.state import ReforgeConfig, ReforgeState, source_rows
 from .repair import RepairContext, repair
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,10 @@ class KVSession:
     the session claims to hold, followed by the tokens it generated since.
     """
 
-    def __init__(self, model, tokenizer, policy: RepairPolicy | str | None = None, *, tools: list | None = None):
+    def __init__(
+        self, model, tokenizer, policy: RepairPolicy | str | None = None, *, tools: list | None = None,
+        reforge: ReforgeConfig | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.policy = RepairPolicy.coerce(policy) if policy is not None else RepairPolicy()
@@ -65,6 +69,8 @@ class KVSession:
         self.capabilities = model_capabilities(model.config)  # static facts, reported to callers
         self._shifter = self._make_shifter()
         self.max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        # CacheReforge: per-layer adapter anchors + boundary states (inert without LoRA layers)
+        self.reforge = ReforgeState(model, reforge)
         self.reset()
 
     def _make_shifter(self) -> RotaryShifter | None:
@@ -82,6 +88,7 @@ class KVSession:
         self.rendered: RenderedPrompt | None = None
         self.next_logits: torch.Tensor | None = None
         self.last_report: RepairReport | None = None
+        self.reforge.reset()
 
     @property
     def messages(self) -> list[ChatMessage]:
@@ -100,6 +107,7 @@ class KVSession:
         other.cache = kvcache.clone_cache(self.cache)
         other.token_ids = list(self.token_ids)
         other.next_logits = None if self.next_logits is None else self.next_logits.clone()
+        other.reforge = self.reforge.clone()
         return other
 
     # --------------------------------------------------------------- prepare
@@ -142,11 +150,14 @@ class KVSession:
             query_ids=self.tokenizer(query, add_special_tokens=False)["input_ids"] or list(new.token_ids[-1:]),
             query_text=query,
         )
+        adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
         try:
-            result = repair(ctx, self.cache, self.token_ids, new, plan, policy)
+            with self.reforge.recording() as captures:
+                result = repair(ctx, self.cache, self.token_ids, new, plan, policy)
         except Exception:
             self.reset()
             raise
+        self.reforge.commit(captures, source_rows(plan), len(new), result.report.reused_tokens == 0, adapter)
         report = result.report
         if fallback and plan.common_prefix < len(self.token_ids):  # only an edit loses segment reuse
             report.fallback = report.fallback or fallback
@@ -242,8 +253,17 @@ class KVSession:
         t0 = time.perf_counter()
         stop_ids = self._stop_ids()
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        logits, first, out, reason = self.next_logits, self.next_logits, [], "length"
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
+        adapter = self._sync_adapter()
+        logits = first = self.next_logits  # maintenance may have refreshed them
+        with self.reforge.recording() as captures:
+            out, reason = self._decode(logits, limit, stop_ids, temperature, generator)
+        self.reforge.commit(captures, None, len(self.token_ids), False, adapter)
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return Generation(text, out, first, reason, (time.perf_counter() - t0) * 1000.0)
+
+    def _decode(self, logits, limit: int, stop_ids: set[int], temperature: float, generator):
+        out, reason = [], "length"
         for _ in range(limit):
             token = _pick(logits, temperature, generator)
             if token in stop_ids:
@@ -255,8 +275,20 @@ class KVSession:
                 self.exact_rows += 1
             self.token_ids.append(token)
         self.next_logits = logits if reason == "length" else None
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        return Generation(text, out, first, reason, (time.perf_counter() - t0) * 1000.0)
+        return out, reason
+
+    def _sync_adapter(self):
+        """CacheReforge: if the LoRA adapter changed since the cache was computed, maintain the
+        cache under ``self.reforge.config`` first. Returns the active AdapterState (None: no LoRA)."""
+        current = self.reforge.current()
+        if self.reforge.needs_maintenance(current):
+            self.reforge.maintain(self, current)
+        return current
+
+    @property
+    def adapter_versions(self):
+        """VersionReport: the adapter version of every cache layer and whether they mix."""
+        return self.reforge.version_report()
 
     def _stop_ids(self) -> set[int]:
         ids = set()

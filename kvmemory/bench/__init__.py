@@ -10,4 +10,5 @@ from __future__ import annotations
 # name -> (module under kvmemory.bench, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "refresh": ("refresh", "refresh timing: sequential, direct, one-shot and packed executors (paper §4.4)"),
+    "reforge": ("reforge", "CacheReforge: 32 LoRA updates, six cache-maintenance methods vs fresh prefill"),
 }

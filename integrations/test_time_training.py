@@ -1,0 +1,116 @@
+"""Online test-time training for LangGraph / LangChain agents on kvmemory sessions.
+
+* :func:`make_ttt_node` builds a LangGraph node: when the state carries a confirmed answer it
+  runs one answer-supervised peft LoRA step on the recent messages, bumps the adapter version,
+  and applies CacheReforge to every live thread cache in the registry.
+* :class:`TestTimeTrainingCallback` is a LangChain callback handler that remembers the last
+  chat-model call (its messages and answer) and trains on it once the answer is confirmed
+  (``confirm()``) or when ``target_fn`` supplies a target.
+
+Both drive :class:`kvmemory.reforge.online.OnlineAdapter` (the core; it never imports LangChain).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import BaseMessage
+
+from kvmemory.reforge.online import OnlineAdapter, UpdateReport
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+
+
+def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    """LangChain messages → kvmemory chat dicts (role, text content, id).
+
+    Raises:
+        ValueError: a message type kvmemory cannot render (names the type).
+    """
+    out = []
+    for m in messages:
+        role = _ROLES.get(m.type)
+        if role is None:
+            raise ValueError(f"cannot train on a {m.type!r} message: use human/ai/system/tool messages")
+        content = m.content if isinstance(m.content, str) else m.text
+        entry = {"role": role, "content": content}
+        if m.id:
+            entry["id"] = m.id
+        out.append(entry)
+    return out
+
+
+def make_ttt_node(online: OnlineAdapter, *, answer_key: str = "confirmed_answer", messages_key: str = "messages",
+                  version_key: str | None = "adapter_version", window: int = 6) -> Callable[[dict], dict]:
+    """A LangGraph node ``node(state) -> update`` for test-time training.
+
+    Reads ``state[answer_key]`` (the user-confirmed answer or a supplied target; nothing happens
+    when it is empty) and the last ``window`` messages of ``state[messages_key]`` before the
+    answer. Returns ``{answer_key: None}`` (the answer is consumed) and, if ``version_key`` is
+    set, the new adapter digest under that key (declare both keys in the graph state). The
+    report of the last update is kept on ``node.last_report``.
+    """
+
+    def node(state: dict) -> dict:
+        answer = state.get(answer_key)
+        if not answer:
+            return {}
+        recent = list(state.get(messages_key) or [])[-window:]
+        while recent and recent[-1].type == "ai":  # supervise the answer, not the model's own try
+            recent.pop()
+        if not recent:
+            raise ValueError(f"no messages before the confirmed answer in state[{messages_key!r}]")
+        report = online.update(to_chat_messages(recent), answer)
+        node.last_report = report
+        update: dict[str, Any] = {answer_key: None}
+        if version_key:
+            update[version_key] = report.version_after
+        return update
+
+    node.last_report = None
+    return node
+
+
+class TestTimeTrainingCallback(BaseCallbackHandler):
+    """LangChain callback: remember each chat-model call, train on it when confirmed.
+
+    Args:
+        online: the adapter trainer holding the registry of live sessions.
+        target_fn: optional ``f(messages, answer_text) -> target | None``; a returned target
+            trains immediately after the call (e.g. a verifier or a supplied reference).
+    """
+
+    __test__ = False  # not a pytest class, despite the name
+
+    def __init__(self, online: OnlineAdapter, target_fn: Callable[[list[dict], str], str | None] | None = None):
+        self.online = online
+        self.target_fn = target_fn
+        self.last_messages: list[dict] | None = None
+        self.last_answer: str | None = None
+        self.reports: list[UpdateReport] = []
+
+    def on_chat_model_start(self, serialized, messages, **kwargs) -> None:
+        self.last_messages = to_chat_messages(messages[0])
+
+    def on_llm_end(self, response, **kwargs) -> None:
+        generations = response.generations[0] if response.generations else []
+        self.last_answer = generations[0].text if generations else None
+        if self.target_fn and self.last_messages is not None and self.last_answer is not None:
+            target = self.target_fn(self.last_messages, self.last_answer)
+            if target:
+                self.reports.append(self.online.update(self.last_messages, target))
+
+    def confirm(self, answer: str | None = None) -> UpdateReport:
+        """Train on the last call: ``answer`` if given (a correction), else the model's own
+        answer (the user confirmed it).
+
+        Raises:
+            RuntimeError: no chat-model call was seen yet.
+        """
+        if self.last_messages is None:
+            raise RuntimeError("no chat-model call seen yet: pass this callback in `callbacks=[...]` first")
+        target = answer if answer is not None else self.last_answer
+        report = self.online.update(self.last_messages, target or "")
+        self.reports.append(report)
+        return report

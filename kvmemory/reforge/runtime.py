@@ -1,0 +1,91 @@
+"""Runtime range selection after an adapter update (CacheReforge §Methodology, eqs. 8-9) and the
+two RQ4 ablations (drift-only single threshold, fixed two-layer window)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .profile import ReforgeProfile
+
+Policy = Literal["cachereforge", "exact_suffix", "drift_only", "fixed_window", "stale"]
+POLICIES: tuple[str, ...] = ("cachereforge", "exact_suffix", "drift_only", "fixed_window", "stale")
+FIXED_WINDOW = 2  # layers, the RQ4 fixed-window ablation
+
+
+@dataclass
+class Decision:
+    """What to recompute: layers ``[start, end)`` (``end`` None: direct reuse).
+
+    ``r_kv``: first cache layer the update invalidated (N: none); ``triggered``: layers with
+    q_ℓ ≥ 1 (or d_ℓ ≥ τ for drift-only); ``distances`` d_ℓ and ``risks`` q_ℓ per layer."""
+
+    policy: str
+    r_kv: int
+    start: int
+    end: int | None
+    triggered: list[int]
+    distances: list[float]
+    risks: list[float]
+
+    @property
+    def action(self) -> str:
+        """``reuse`` (no affected layer recomputed), ``bounded`` or ``full_suffix`` (b_t = N)."""
+        if self.end is None or self.end <= self.r_kv:
+            return "reuse"
+        return "full_suffix" if self.end >= len(self.distances) else "bounded"
+
+    @property
+    def layers(self) -> int:
+        """Executed layers b_t − r (0 for reuse)."""
+        return 0 if self.action == "reuse" else self.end - self.start
+
+
+def decide(
+    policy: str,
+    distances: list[float],
+    invalid: list[int],
+    start: int,
+    profile: ReforgeProfile | None = None,
+    window: int = FIXED_WINDOW,
+) -> Decision:
+    """Choose the recovery range.
+
+    Args:
+        policy: one of :data:`POLICIES`.
+        distances: d_ℓ(t) = ‖θ_t − θ_ℓ^anchor‖₂ per layer (eq. 8).
+        invalid: cache layers whose K/V the update can change (ascending; ``invalid[0]`` = r_kv).
+        start: executable restart r (a valid boundary at or below r_kv).
+        profile: calibrated sensitivities (cachereforge) / threshold (drift_only).
+
+    Returns:
+        Decision with b_t = 1 + max triggered layer (eq. 9) for cachereforge / drift_only.
+
+    Raises:
+        ValueError: unknown policy, or a profile-based policy without a profile / threshold.
+    """
+    n = len(distances)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown CacheReforge policy {policy!r}; use one of {', '.join(POLICIES)}")
+    r_kv = invalid[0] if invalid else n
+    risks = [0.0] * n
+    triggered: list[int] = []
+    end: int | None = None
+    if invalid:
+        if policy == "exact_suffix":
+            end = n
+        elif policy == "fixed_window":
+            end = min(start + window, n)
+        elif policy == "cachereforge":
+            if profile is None:
+                raise ValueError("policy 'cachereforge' needs a calibration profile: run `kvmemory calibrate`")
+            risks = [s * d for s, d in zip(profile.sensitivity, distances)]
+            triggered = [layer for layer in invalid if risks[layer] >= 1.0]
+        elif policy == "drift_only":
+            if profile is None:
+                raise ValueError("policy 'drift_only' needs a calibration profile: run `kvmemory calibrate`")
+            tau = profile.drift_threshold  # None: no calibration condition needed recovery
+            triggered = [layer for layer in invalid if tau is not None and distances[layer] >= tau]
+        if triggered:
+            end = 1 + max(triggered)
+    return Decision(policy, r_kv, start, end, triggered, list(distances), risks)

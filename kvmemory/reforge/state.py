@@ -1,0 +1,268 @@
+"""The CacheReforge state a session keeps beside its K/V: per-layer adapter anchors, retained
+boundary states, and the maintenance step that brings a cache to the current adapter.
+
+Maintenance (CacheReforge §Methodology): layers whose producing parameters are unchanged are
+re-anchored for free; otherwise the policy picks ``[r, b_t)``; those layers are re-executed over
+every cached row from the stored boundary state (or the embedding), their K/V and retained
+states are overwritten and only their anchors move to θ_t. The last cached row (the pending
+request) is then recomputed through every layer so the next-token logits come from the current
+adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .. import kvcache
+from ..execution import forward_rows
+from .profile import ReforgeProfile
+from .recovery import decoder_of, embed, overwrite_layers, run_layers
+from .restart import BoundaryStore, target_boundaries
+from .runtime import POLICIES, Decision, decide
+from .versions import AdapterState, LayerAnchors, capture_adapter, lora_modules
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReforgeConfig:
+    """How a session keeps its cache valid while the adapter learns.
+
+    ``policy``: cachereforge (needs ``profile``), exact_suffix (default without a profile:
+    exact), drift_only, fixed_window, stale (benchmarks only). ``boundary_layers``: layers whose
+    entering hidden state is retained (None: the restart layers of the trainable LoRA modules,
+    eq. S4). ``window``: fixed_window size in layers.
+    """
+
+    policy: str | None = None
+    profile: ReforgeProfile | None = None
+    boundary_layers: tuple[int, ...] | None = None
+    adapter: str = "default"
+    window: int = 2
+
+    def resolved_policy(self) -> str:
+        policy = self.policy or ("cachereforge" if self.profile is not None else "exact_suffix")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown CacheReforge policy {policy!r}; use one of {', '.join(POLICIES)}")
+        return policy
+
+
+@dataclass
+class ReforgeReport:
+    """One maintenance step. ``action``: reuse / bounded / full_suffix / reprefill; layers
+    ``[start, end)`` executed over ``rows`` rows; ``recompute_pct`` = (b_t − r)/N·100 (%);
+    ``reanchored``: layers found exactly valid and re-anchored without compute; ``ms``: wall
+    time (ms) of the whole step, of which ``request_ms`` recomputed the last row (the pending
+    request's first token) and the rest is cache maintenance; ``mixed``: the cache mixes adapter
+    versions afterwards."""
+
+    adapter_version: str | None
+    policy: str
+    action: str
+    start: int | None
+    end: int | None
+    r_kv: int
+    rows: int
+    recompute_pct: float
+    triggered: list[int] = field(default_factory=list)
+    reanchored: list[int] = field(default_factory=list)
+    stale_layers: list[int] = field(default_factory=list)
+    mixed: bool = False
+    ms: float = 0.0
+    request_ms: float = 0.0
+    note: str | None = None
+
+    @property
+    def maintenance_ms(self) -> float:
+        """Cache-maintenance time (ms): digests, policy, layer execution, K/V writes."""
+        return self.ms - self.request_ms
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def source_rows(plan) -> torch.Tensor:
+    """Old row index of each new row up to the last reused row (-1: computed anew), from an
+    EditPlan (exact prefix in place, reuse runs moved): how boundary states follow the K/V."""
+    end = max([plan.exact_prefix] + [n + length for n, _, length in plan.reuse])
+    rows = torch.full((end,), -1, dtype=torch.long)
+    rows[: plan.exact_prefix] = torch.arange(plan.exact_prefix)
+    for n, o, length in plan.reuse:
+        rows[n : n + length] = torch.arange(o, o + length)
+    return rows
+
+
+class ReforgeState:
+    """Anchors + boundary states of one cache. Inert (no cost) for models without LoRA layers."""
+
+    def __init__(self, model, config: ReforgeConfig | None = None):
+        self.model = model
+        self.config = config or ReforgeConfig()
+        policy = self.config.resolved_policy()
+        if policy in ("cachereforge", "drift_only") and self.config.profile is None:
+            raise ValueError(f"CacheReforge policy {policy!r} needs a calibration profile: run `kvmemory calibrate`")
+        self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.tracked = bool(lora_modules(model, self.config.adapter))
+        layers = self.config.boundary_layers
+        if layers is None:
+            layers = target_boundaries(model, self.num_layers, self.config.adapter) if self.tracked else ()
+        bad = [x for x in layers if not 0 <= x < self.num_layers]
+        if bad:
+            raise ValueError(f"boundary layers {bad} outside [0, {self.num_layers})")
+        self.anchors = LayerAnchors(self.num_layers)
+        self.boundaries = BoundaryStore(tuple(sorted({x for x in layers if x > 0})))
+        self.logits_version: str | None = None  # adapter digest the last cached row was computed under
+        self.last_report: ReforgeReport | None = None
+
+    def clone(self) -> "ReforgeState":
+        other = object.__new__(ReforgeState)
+        other.__dict__.update(self.__dict__)
+        other.anchors = self.anchors.clone()
+        other.boundaries = self.boundaries.clone()
+        return other
+
+    def reset(self) -> None:
+        self.anchors.clear()
+        self.boundaries.clear()
+        self.logits_version = None
+
+    def current(self) -> AdapterState | None:
+        """The active adapter's state (None: no LoRA layers)."""
+        return capture_adapter(self.model, self.num_layers, self.config.adapter) if self.tracked else None
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Memory of the retained boundary states (bytes)."""
+        return self.boundaries.nbytes
+
+    def version_report(self):
+        """Per-layer versions of the cache (mixed-version report) against the active adapter."""
+        return self.anchors.report(self.current())
+
+    # ------------------------------------------------------------- prefill side
+    @contextlib.contextmanager
+    def recording(self):
+        """Capture boundary states during the session's forwards (no-op without LoRA)."""
+        if not self.tracked or not self.boundaries.layers:
+            yield []
+            return
+        with self.boundaries.recording(decoder_of(self.model).layers) as captures:
+            yield captures
+
+    def commit(self, captures, source_rows, rows: int, recomputed_all: bool, current: AdapterState | None) -> None:
+        """Record what a forward/repair did: boundary rows follow the K/V rows (``source_rows``:
+        old row of each new row, -1 = computed; None = kept in place); anchors move to
+        ``current`` only when every row was recomputed (or the cache was empty)."""
+        if not self.tracked or current is None:
+            return
+        if rows == 0:
+            self.reset()
+            return
+        self.boundaries.commit(captures, source_rows, rows, current)
+        if recomputed_all or self.anchors.empty:
+            self.anchors.set(range(self.num_layers), current)
+        self.logits_version = current.digest
+
+    # ---------------------------------------------------------- maintenance
+    def needs_maintenance(self, current: AdapterState | None) -> bool:
+        if current is None or self.anchors.empty:
+            return False
+        return self.logits_version != current.digest or any(
+            v != current.digest for v in self.anchors.layer_versions
+        )
+
+    def maintain(self, session, current: AdapterState | None = None, policy: str | None = None) -> ReforgeReport:
+        """Bring ``session``'s cache to the active adapter under ``policy`` (default: the config's).
+
+        Changes ``session.cache`` (layers ``[r, b_t)`` and the last row) and
+        ``session.next_logits`` in place.
+
+        Raises:
+            ValueError: unknown policy, or cachereforge / drift_only without a profile.
+        """
+        t0 = time.perf_counter()
+        current = current if current is not None else self.current()
+        policy = policy or self.config.resolved_policy()
+        rows = kvcache.cache_length(session.cache)
+        if current is None or rows == 0 or self.anchors.empty:
+            if current is not None and rows:
+                self.anchors.set(range(self.num_layers), current)
+            return self._report(current, policy, None, rows, [], t0)
+        reanchored, invalid = self._reanchor_unchanged(current)
+        start = self.boundaries.valid_start(invalid[0], current, rows) if invalid else self.num_layers
+        decision = decide(policy, self.anchors.distances(current), invalid, start,
+                          self.config.profile, self.config.window)
+        if decision.action != "reuse":
+            self._execute(session, decision.start, decision.end, current)
+        t1 = time.perf_counter()
+        if decision.action != "reuse" or self.logits_version != current.digest:  # the prefix changed
+            self._refresh_last_row(session, current)
+        report = self._report(current, policy, decision, rows, reanchored, t0)
+        report.request_ms = (time.perf_counter() - t1) * 1000.0
+        return report
+
+    def _reanchor_unchanged(self, current: AdapterState) -> tuple[list[int], list[int]]:
+        """Layers whose K/V the change cannot reach keep their rows and take the new anchor."""
+        reanchored, invalid = [], []
+        for layer in range(self.num_layers):
+            anchor = self.anchors.anchor(layer)
+            if anchor is None or anchor.digest == current.digest:
+                continue
+            (reanchored if current.same_cache_layer(anchor, layer) else invalid).append(layer)
+        if reanchored:
+            self.anchors.set(reanchored, current)
+        return reanchored, invalid
+
+    def _execute(self, session, start: int, end: int, current: AdapterState) -> None:
+        ids = torch.tensor(session.token_ids, dtype=torch.long)
+        rows = ids.shape[0]
+        hidden = embed(self.model, ids) if start == 0 else self.boundaries.states[start].hidden[:, :rows]
+        keep = [b for b in self.boundaries.layers if start < b <= end]
+        run = run_layers(self.model, hidden, start, end, keep_boundaries=keep)
+        overwrite_layers(session.cache, run)
+        self.anchors.set(range(start, end), current)
+        for layer, h in run.boundaries.items():
+            self.boundaries.write(layer, h, current)
+
+    def _refresh_last_row(self, session, current: AdapterState) -> None:
+        """Recompute the last cached row through every layer under the current adapter (its
+        logits are the pending request's first-token distribution)."""
+        rows = len(session.token_ids)
+        kvcache.crop_to(session.cache, rows - 1)
+        with self.recording() as captures:
+            logits = forward_rows(self.model, session.cache, torch.tensor(session.token_ids[-1:]), rows - 1)
+        self.boundaries.commit(captures, None, rows, current)
+        if session.next_logits is not None:
+            session.next_logits = logits
+        self.logits_version = current.digest
+
+    def _report(self, current, policy, decision: Decision | None, rows, reanchored, t0) -> ReforgeReport:
+        versions = self.anchors.report(current)
+        action = decision.action if decision else "reuse"
+        report = ReforgeReport(
+            adapter_version=current.digest if current else None,
+            policy=policy,
+            action=action,
+            start=decision.start if decision and action != "reuse" else None,
+            end=decision.end if decision and action != "reuse" else None,
+            r_kv=decision.r_kv if decision else self.num_layers,
+            rows=rows,
+            recompute_pct=100.0 * (decision.layers if decision else 0) / self.num_layers,
+            triggered=decision.triggered if decision else [],
+            reanchored=reanchored,
+            stale_layers=versions.stale_layers,
+            mixed=versions.mixed,
+            ms=(time.perf_counter() - t0) * 1000.0,
+        )
+        if decision and action != "reuse" and decision.start == 0 and decision.r_kv > 1:
+            report.note = "no valid retained boundary state below the update: executed from the embedding (exact, slower)"
+            log.info("kvmemory: %s", report.note)
+        if versions.stale_layers:
+            log.info("kvmemory: cache layers %s still hold an older adapter version", versions.stale_layers)
+        self.last_report = report
+        return report

@@ -1,0 +1,38 @@
+"""``kvmemory calibrate`` and ``kvmemory bench reforge`` wiring (the benchmark itself runs
+outside the test suite; its results live in benchmarks/results/)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmemory.bench import BENCHMARKS
+from kvmemory.cli import build_parser, main
+from kvmemory.reforge.profile import ReforgeProfile
+
+
+def test_commands_are_registered():
+    assert "reforge" in BENCHMARKS
+    args = build_parser().parse_args(["bench", "reforge", "--quick", "--updates", "2"])
+    assert args.quick and args.updates == 2 and args.bench_module == "reforge"
+    assert build_parser().parse_args(["calibrate", "--quick"]).command == "calibrate"
+
+
+def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
+    assert main(["calibrate", "--data", str(tmp_path)]) == 2
+    assert "hotpotqa" in capsys.readouterr().out
+    assert main(["bench", "reforge", "--rank", "0"]) == 2
+    assert main(["calibrate", "--updates", "0"]) == 2
+
+
+@pytest.mark.real_model
+def test_calibrate_quick_freezes_a_profile(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--quick", "--updates", "2", "--out", str(out)]) == 0
+    profile = ReforgeProfile.load(out)
+    assert profile.key.update_target == "v_proj@15" and profile.num_layers == 30
+    assert [c.gap for c in profile.conditions] == [1, 2]
+    assert all(c.restart == 15 and c.distance > 0 for c in profile.conditions)
+    assert all(c.windows["15"]["kl"] < 1e-8 for c in profile.conditions)  # the full suffix equals fresh
+    labelled = [i for i, s in enumerate(profile.sensitivity) if s > 0]
+    assert all(15 <= i < 30 for i in labelled)  # only affected layers can be labelled
+    assert "wrote" in capsys.readouterr().out
