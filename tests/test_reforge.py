@@ -156,6 +156,36 @@ def test_generate_after_update_matches_fresh(tokenizer):
     assert torch.allclose(got.first_logits, ref.first_logits, atol=1e-4)
 
 
+def test_sliding_window_model_recovers_by_reprefill(tokenizer, caplog):
+    """A sliding-window layer cannot run layer-range recovery with a full causal mask: the cache is
+    re-prefilled under the new adapter instead (exact), and the log says why."""
+    model = tiny_model("qwen2", num_hidden_layers=LAYERS, use_sliding_window=True, sliding_window=16,
+                       max_window_layers=0)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], layers_to_transform=[2])).eval()
+    s = KVSession(pm, tokenizer, "replay", reforge=ReforgeConfig())
+    s.prepare(MSGS)
+    nudge(pm, 2, "v_proj")
+    with caplog.at_level("WARNING"):
+        report = s.reforge.maintain(s)
+    assert report.action != "reuse" and "re-prefills" in caplog.text
+    assert torch.allclose(s.next_logits, fresh_logits(pm, tokenizer, MSGS).next_logits, atol=1e-4)
+    assert not s.adapter_versions.mixed
+
+
+def test_stale_layers_clear_exact_rows(tokenizer):
+    """After stale reuse, no row equals a fresh prefill: a budget-100 repair must start at row 0."""
+    pm = lora_tiny()
+    s = KVSession(pm, tokenizer, "replay", reforge=ReforgeConfig())
+    s.prepare(MSGS)
+    assert s.exact_rows == len(s.token_ids)
+    nudge(pm, 2, "v_proj")
+    s.reforge.maintain(s, policy="stale")
+    assert s.exact_rows == 0
+    edited = [m for m in MSGS if m["id"] != "t2"]
+    s.prepare(edited)  # replay = budget 100: every row recomputed under the current adapter
+    assert torch.allclose(s.next_logits, fresh_logits(pm, tokenizer, edited).next_logits, atol=1e-4)
+
+
 # ------------------------------------------------------------- runtime policy
 def _profile(sens, tau=None):
     key = ProfileKey(model="m", update_target="v_proj@2", adapter_config="a", context_regime="c")

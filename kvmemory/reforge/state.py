@@ -200,6 +200,10 @@ class ReforgeState:
         if decision.action != "reuse":
             self._execute(session, decision.start, decision.end, current)
         t1 = time.perf_counter()
+        if self.anchors.report(current).stale_layers:
+            # rows produced partly by an older adapter: none equals a fresh prefill any more, so a
+            # later budget-100 repair must recompute from row 0 (see KVSession.exact_rows)
+            session.exact_rows = 0
         if decision.action != "reuse" or self.logits_version != current.digest:  # the prefix changed
             self._refresh_last_row(session, current)
         report = self._report(current, policy, decision, rows, reanchored, t0)
@@ -219,6 +223,11 @@ class ReforgeState:
         return reanchored, invalid
 
     def _execute(self, session, start: int, end: int, current: AdapterState) -> None:
+        reason = session.capabilities.row_reuse_reason
+        if reason:  # layer-range recovery runs a full causal mask; only a re-prefill is exact here
+            log.warning("kvmemory: CacheReforge re-prefills every layer instead of [%d, %d): %s", start, end, reason)
+            self._reprefill(session, current)
+            return
         ids = torch.tensor(session.token_ids, dtype=torch.long)
         rows = ids.shape[0]
         hidden = embed(self.model, ids) if start == 0 else self.boundaries.states[start].hidden[:, :rows]
@@ -228,6 +237,18 @@ class ReforgeState:
         self.anchors.set(range(start, end), current)
         for layer, h in run.boundaries.items():
             self.boundaries.write(layer, h, current)
+
+    def _reprefill(self, session, current: AdapterState) -> None:
+        """Recompute every cached row under the current adapter with ordinary forwards (the exact
+        fallback for models whose attention is not full everywhere, e.g. sliding windows). The last
+        row is left to :meth:`_refresh_last_row` (sliding cache layers cannot be cropped)."""
+        ids = torch.tensor(session.token_ids[:-1], dtype=torch.long)
+        session.cache = kvcache.new_cache(self.model.config)
+        if ids.numel():
+            with self.recording() as captures:
+                forward_rows(self.model, session.cache, ids, 0)
+            self.boundaries.commit(captures, None, ids.shape[0], current)
+        self.anchors.set(range(self.num_layers), current)
 
     def _refresh_last_row(self, session, current: AdapterState) -> None:
         """Recompute the last cached row through every layer under the current adapter (its
