@@ -8,4 +8,6 @@ in :data:`BENCHMARKS`; the CLI imports a module only when its benchmark runs.
 from __future__ import annotations
 
 # name -> (module under kvmemory.bench, one-line help)
-BENCHMARKS: dict[str, tuple[str, str]] = {}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "quality": ("quality", "repair fidelity on Erasing-NIAH / multi-hop QA: 14 allocators x budgets, paired bootstrap"),
+}
