@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--seed", type=int, default=0, help="case-construction and random-allocator seed")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite summary.json, report.md and plots from the cases already in --out/cases.jsonl")
 
 
 def _settings(args) -> dict:
@@ -187,9 +189,14 @@ def run(args, console) -> int:
         return 2
     out = args.out or Path("benchmarks/results") / f"quality_{settings['task']}"
     out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "cases.jsonl"
+    if args.report_only:
+        meta = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else settings
+        summary = write_outputs(out, load_records(jsonl), meta)
+        console.print(f"rewrote {out / 'summary.json'} and report.md from {summary['meta']['n_cases']} finished cases")
+        return 0
     loaded = load_model(args.model, dtype=args.dtype)
     cases = build_cases(settings, Path(data_dir), loaded.tokenizer)
-    jsonl = out / "cases.jsonl"
     done = _done_ids(jsonl)
     todo = [c for c in cases if c.case_id not in done]
     meta = {

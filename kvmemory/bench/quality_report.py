@@ -7,6 +7,7 @@ from pathlib import Path
 from statistics import mean, median
 
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
+from ..metrics import contains_gold
 from ..selection import ALLOCATOR_TITLES
 
 REFERENCE_NAMES = ("dirty", "shift", "replay", "reprefill")
@@ -29,6 +30,7 @@ def aggregate(rows: list[dict]) -> dict:
         "nr_tv": median(defined) if defined else None,  # median of the defined per-case ratios (App. 11)
         "nr_tv_defined": len(defined),
         "em": mean(m["em"] for m in rows),
+        "gold_in_answer": mean(m["gold_in_answer"] for m in rows),
         "leak_rate": mean(leaks) if leaks else None,
         "latency_ms": mean(m["post_edit_ms"] for m in rows),
         "selection_ms": mean(m["selection_ms"] for m in rows),
@@ -48,8 +50,9 @@ def _methods(records: list[dict]) -> list[str]:
 
 
 def bootstrap_table(records: list[dict]) -> list[dict]:
-    """EM and agreement differences (percentage points) of every allocator@budget against Shift,
-    Replay and Re-prefill, with source-paired, dataset-stratified 95 % intervals."""
+    """EM, agreement, gold-in-answer and first-token TV differences (percentage points, i.e. 100 ×
+    the difference of fractions) of every allocator@budget against Shift, Replay and Re-prefill,
+    with source-paired, dataset-stratified 95 % intervals."""
     out = []
     groups = [r["source_id"] for r in records]
     strata = [r["dataset"] for r in records]
@@ -57,7 +60,7 @@ def bootstrap_table(records: list[dict]) -> list[dict]:
         if "@" not in method:
             continue
         for ref in BOOTSTRAP_REFERENCES:
-            for metric in ("em", "agree"):
+            for metric in ("em", "agree", "gold_in_answer", "tv"):
                 diff = []
                 for r in records:
                     by = {m["method"]: m for m in r["methods"]}
@@ -68,8 +71,18 @@ def bootstrap_table(records: list[dict]) -> list[dict]:
     return out
 
 
+def _add_gold_in_answer(records: list[dict]) -> None:
+    """Lenient secondary score, derived from the stored answers: QA: a normalized gold answer or
+    alias occurs as a whole-word span of the answer (small models answer in sentences); NIAH: EM."""
+    for r in records:
+        for m in r["methods"]:
+            qa = r["task"] == "qa"
+            m["gold_in_answer"] = any(contains_gold(m["answer"], g) for g in r["gold"]) if qa else m["em"]
+
+
 def summarize(records: list[dict], meta: dict) -> dict:
     """summary.json: allocator → budget → metrics, the references, per-group EM and the bootstrap."""
+    _add_gold_in_answer(records)
     summary: dict = {}
     for method in _methods(records):
         agg = aggregate(_rows(records, method))
@@ -81,8 +94,10 @@ def summarize(records: list[dict], meta: dict) -> dict:
     by_group: dict = {}
     for dataset in dict.fromkeys(r["dataset"] for r in records):
         subset = [r for r in records if r["dataset"] == dataset]
-        by_group[dataset] = {m: {"em": aggregate(_rows(subset, m))["em"], "agreement": aggregate(_rows(subset, m))["agreement"],
-                                 "n": len(subset)} for m in _methods(subset)}
+        by_group[dataset] = {}
+        for m in _methods(subset):
+            agg = aggregate(_rows(subset, m))
+            by_group[dataset][m] = {k: agg[k] for k in ("em", "gold_in_answer", "agreement", "median_kl")} | {"n": len(subset)}
     summary["by_group"] = by_group
     summary["bootstrap"] = {"replicates": REPLICATES, "seed": SEED, "rows": bootstrap_table(records)}
     summary["meta"] = {**meta, "n_cases": len(records), "n_sources": len({r["source_id"] for r in records}),
@@ -106,39 +121,43 @@ def markdown(summary: dict) -> str:
         "",
         "Agreement = greedy answer equal to Re-prefill's; KL = first-token KL(p_reprefill ‖ p_method) (median, nats); "
         "NR_TV = median of defined per-case 1 − TV(method)/TV(dirty) (eq. 14, unclipped); EM = task exact match; "
-        "leak = deleted needle value still emitted; latency = mean post-edit ms (selection + Shift + refresh incl. query "
+        "gold-in = (QA) gold answer or alias inside the answer; leak = deleted needle value still emitted; latency = mean post-edit ms (selection + Shift + refresh incl. query "
         "prefill + answer decoding).",
         "",
         "## References",
         "",
-        "| method | agreement | median KL | NR_TV | EM | leak | latency ms | recomputed | intervals |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | agreement | median KL | NR_TV | EM | gold-in | leak | latency ms | recomputed | intervals |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for ref in REFERENCE_NAMES:
         if ref in summary:
             m = summary[ref]
             lines.append(f"| {ref} | {m['agreement']:.2f} | {m['median_kl']:.2e} | {_fmt(m['nr_tv'])} | {m['em']:.2f} | "
-                         f"{_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['recomputed_tokens']:.0f} | {m['intervals']:.1f} |")
+                         f"{m['gold_in_answer']:.2f} | {_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['recomputed_tokens']:.0f} | {m['intervals']:.1f} |")
     lines += ["", "## Allocators × budget", "",
-              "| allocator | budget % | agreement | median KL | NR_TV | EM | leak | latency ms | selection ms | "
+              "| allocator | budget % | agreement | median KL | NR_TV | EM | gold-in | leak | latency ms | selection ms | "
               "refresh ms | answer ms | recomputed | intervals |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, title in ALLOCATOR_TITLES.items():
         for budget, m in summary.get(name, {}).items():
             lines.append(
                 f"| {title} | {budget} | {m['agreement']:.2f} | {m['median_kl']:.2e} | {_fmt(m['nr_tv'])} | {m['em']:.2f} | "
-                f"{_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['selection_ms']:.0f} | {m['refresh_ms']:.0f} | "
+                f"{m['gold_in_answer']:.2f} | {_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['selection_ms']:.0f} | {m['refresh_ms']:.0f} | "
                 f"{m['answer_ms']:.0f} | {m['recomputed_tokens']:.0f} | {m['intervals']:.1f} |")
     lines += ["", "## Paired differences (EM, percentage points; 95 % source-paired bootstrap, "
               f"{summary['bootstrap']['replicates']} replicates, seed {summary['bootstrap']['seed']})", "",
-              "| method | vs | ΔEM pp | 95 % CI | Δagreement pp | 95 % CI |", "|---|---|---|---|---|---|"]
+              "| method | vs | ΔEM pp | 95 % CI | Δagreement pp | 95 % CI | Δgold-in pp | 95 % CI | ΔTV pp | 95 % CI |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = summary["bootstrap"]["rows"]
     for r in rows:
         if r["metric"] != "em":
             continue
-        a = next(x for x in rows if x["metric"] == "agree" and x["method"] == r["method"] and x["reference"] == r["reference"])
+        a, g, t = (next(x for x in rows if x["metric"] == metric and x["method"] == r["method"] and x["reference"] == r["reference"])
+                   for metric in ("agree", "gold_in_answer", "tv"))
         lines.append(f"| {r['method']} | {r['reference']} | {r['delta_pp']:+.1f} | [{r['ci_low']:+.1f}, {r['ci_high']:+.1f}] | "
-                     f"{a['delta_pp']:+.1f} | [{a['ci_low']:+.1f}, {a['ci_high']:+.1f}] |")
+                     f"{a['delta_pp']:+.1f} | [{a['ci_low']:+.1f}, {a['ci_high']:+.1f}] | "
+                     f"{g['delta_pp']:+.1f} | [{g['ci_low']:+.1f}, {g['ci_high']:+.1f}] | "
+                     f"{t['delta_pp']:+.2f} | [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}] |")
     lines += ["", "## EM by group", ""]
     groups = summary["by_group"]
     methods = list(next(iter(groups.values())).keys()) if groups else []

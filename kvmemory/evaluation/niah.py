@@ -8,7 +8,7 @@ case deletes one needle, alternating first/second and early/late depth, and the 
 remaining one-value list; a control case (every fifth) deletes a haystack span of about the
 needle's token length instead, and the gold keeps both values.
 
-The haystack is cut at pysbd sentence boundaries so that the dirty prompt (history + query,
+The haystack is cut at pysbd sentence boundaries (pieces over MAX_SENTENCE tokens are skipped) so that the dirty prompt (history + query,
 generation prompt included) has at most ``length`` tokens of the model's own tokenizer and one
 more sentence would exceed it. Every case is seeded (``seed``, length, index) and records its
 spans: the token span of every needle, the deleted message and the prompt lengths.
@@ -27,6 +27,7 @@ from .cases import EvalCase
 
 HAYSTACK_DIR = Path("niah_haystack") / "PaulGrahamEssays"
 CHUNK_TOKENS = 160  # haystack tokens per tool result (a "document" the agent retrieved)
+MAX_SENTENCE = 96  # longer pysbd "sentences" (unsplit lists, run-on text) are skipped
 SYSTEM = (
     "You are an agent with a document memory. Tool results are documents you retrieved earlier. "
     "Answer the user's question from them."
@@ -140,6 +141,8 @@ def _haystack_stream(essays: list[Path], rng: random.Random, need_tokens: int, t
     for essay in order:
         for s in _sentences(essay):
             c = len(tokenizer(" " + s, add_special_tokens=False)["input_ids"])
+            if c > MAX_SENTENCE:  # lists / run-on text pysbd could not split: not a sentence boundary cut
+                continue
             sentences.append(s)
             counts.append(c)
             total += c
