@@ -177,19 +177,26 @@ def plots(summary: dict, out: Path) -> list[Path]:
 
     allocators = [a for a in ALLOCATOR_TITLES if a in summary]
     paths = []
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, metric, label in ((axes[0], "agreement", "agreement with Re-prefill"), (axes[1], "em", "EM")):
+    panels = (("agreement", "agreement with Re-prefill"), ("em", "EM"), ("nr_tv", "NR_TV (median, eq. 14)"))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    all_budgets = sorted({float(b) for a in allocators for b in summary[a]})
+    for ax, (metric, label) in zip(axes, panels):
         for a in allocators:
             budgets = sorted(summary[a], key=float)
-            ax.plot([float(b) for b in budgets], [summary[a][b][metric] for b in budgets], marker="o", label=ALLOCATOR_TITLES[a])
+            ys = [summary[a][b][metric] for b in budgets]
+            ax.plot([float(b) for b in budgets], [float("nan") if y is None else y for y in ys], marker="o",
+                    label=ALLOCATOR_TITLES[a])
         for ref, style in (("shift", ":"), ("replay", "--"), ("reprefill", "-")):
-            if ref in summary:
+            if ref in summary and summary[ref][metric] is not None:
                 ax.axhline(summary[ref][metric], color="k", linestyle=style, linewidth=1, label=ref)
         ax.set_xscale("log")
+        ax.set_xticks(all_budgets, [f"{b:g}" for b in all_budgets])
+        ax.minorticks_off()
         ax.set_xlabel("suffix budget b (%)")
         ax.set_ylabel(label)
-        ax.set_ylim(-0.02, 1.02)
-    axes[1].legend(fontsize=7, loc="lower right")
+        if metric != "nr_tv":
+            ax.set_ylim(-0.02, 1.02)
+    axes[2].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{summary['meta']['task']}: fidelity vs budget ({summary['meta']['n_cases']} cases, {summary['meta']['model']})")
     fig.tight_layout()
     paths.append(out / "fidelity_vs_budget.png")
