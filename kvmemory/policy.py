@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .selection import ALLOCATORS
+from .selection import ALLOCATOR_NAMES
 
 Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
 Executor = Literal["auto", "packed", "sequential", "direct"]
@@ -58,8 +58,8 @@ class RepairPolicy(BaseModel):
     @field_validator("allocator")
     @classmethod
     def _known_allocator(cls, value: str) -> str:
-        if value not in ALLOCATORS:
-            raise ValueError(f"unknown allocator {value!r}: use one of {', '.join(sorted(ALLOCATORS))}")
+        if value not in ALLOCATOR_NAMES:
+            raise ValueError(f"unknown allocator {value!r}: use one of {', '.join(sorted(ALLOCATOR_NAMES))}")
         return value
 
     @classmethod

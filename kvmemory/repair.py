@@ -23,7 +23,7 @@ from .executors import choose_executor, executor_label, run_refresh
 from .policy import RepairPolicy, RepairReport
 from .positions import RotaryShifter
 from .prompt import RenderedPrompt
-from .selection import MessageSpan, SelectionInput, allowance, select, to_intervals
+from .selection import SIGNAL_ALLOCATORS, MessageSpan, RepairSignals, SelectionInput, allowance, select, to_intervals
 
 
 @dataclass
@@ -97,7 +97,7 @@ def repair(
         if B == plan.stale_tokens:
             result = _replay(ctx.model, cache, ids, plan, report)
         else:
-            result = _sparse_refresh(ctx, cache, ids, new, plan, policy, B, report)
+            result = _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report)
     report.latency_ms = _ms(t0)
     return result
 
@@ -126,9 +126,9 @@ def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, repor
     return RepairResult(cache, out.next_logits, report, ids.shape[0])
 
 
-def _sparse_refresh(ctx, cache, ids, new, plan, policy, B, report) -> RepairResult:
+def _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report) -> RepairResult:
     t0 = time.perf_counter()
-    selected = _select(ctx, new, plan, policy, B)
+    selected = _select(ctx, new, plan, policy, B, _signals(ctx, cache, cached_ids, new, plan, policy))
     report.selection_ms = _ms(t0)
 
     intervals = to_intervals(sorted(set(plan.new_positions) | set(selected)))
@@ -154,7 +154,27 @@ def _sparse_refresh(ctx, cache, ids, new, plan, policy, B, report) -> RepairResu
     return RepairResult(shifted, out.next_logits, report, plan.exact_prefix)
 
 
-def _select(ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: RepairPolicy, B: int) -> list[int]:
+def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
+    """Model probes for the signal allocators (Appendix 7.4 Table 1); None for text allocators."""
+    if policy.allocator not in SIGNAL_ALLOCATORS or not plan.stale_tokens:
+        return None
+
+    def shift_cache() -> DynamicCache:
+        rows = _source_rows(plan)
+        shifted = kvcache.gather_rows(cache, rows)
+        _rotate_moved_keys(ctx.shifter, shifted, rows)
+        return shifted
+
+    return RepairSignals(
+        model=ctx.model, token_ids=new.token_ids, eligible=plan.suffix_positions, old_ids=cached_ids,
+        dirty_cache=cache, reuse=plan.reuse, exact_prefix=plan.exact_prefix, make_shift_cache=shift_cache,
+        shifter=ctx.shifter,
+    )
+
+
+def _select(
+    ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: RepairPolicy, B: int, signals: RepairSignals | None
+) -> list[int]:
     if B == 0:
         return []
     spans = [
@@ -170,7 +190,7 @@ def _select(ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: Rep
         query_text=ctx.query_text,
     )
     embedding = ctx.model.get_input_embeddings().weight
-    return select(policy.allocator, inp, B, embedding=embedding, seed=policy.seed)
+    return select(policy.allocator, inp, B, embedding=embedding, seed=policy.seed, signals=signals)
 
 
 def _source_rows(plan: EditPlan, total: int | None = None) -> torch.Tensor:

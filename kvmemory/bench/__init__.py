@@ -11,4 +11,5 @@ from __future__ import annotations
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "refresh": ("refresh", "refresh timing: sequential, direct, one-shot and packed executors (paper §4.4)"),
     "reforge": ("reforge", "CacheReforge: 32 LoRA updates, six cache-maintenance methods vs fresh prefill"),
+    "quality": ("quality", "repair fidelity on Erasing-NIAH / multi-hop QA: 14 allocators x budgets, paired bootstrap"),
 }

@@ -1,22 +1,29 @@
 """Budgeted selection of stale KV rows to refresh after a history edit (paper §3.2, §7.1, §7.3, §7.4).
 
     B = allowance(S, budget)                          # eq. (3)
-    positions = select("sur", inp, B, embedding=E)    # or dense / window / bm25 / random
+    positions = select("sur", inp, B, embedding=E)    # or any of ALLOCATOR_NAMES (14)
     intervals = to_intervals(positions)               # execution intervals
 """
 
-from .allocators import ALLOCATORS, SelectionError, select
+from .allocators import ALLOCATOR_NAMES, ALLOCATOR_TITLES, ALLOCATORS, PRIVILEGED, SIGNAL_ALLOCATORS, SelectionError, select
 from .bm25 import bm25_unit_scores, lexical_terms
 from .budget import allowance
 from .inputs import MessageSpan, SelectionInput, validate_input
 from .intervals import to_intervals
 from .regions import Region, content_regions
+from .signals import RepairSignals, top_b
 from .relevance import relevance_scores
 from .unit_allocator import allocate_units, best_envelope_window, forward_envelope, unit_score
 from .units import Unit, UnitPartitionError, build_units
 
 __all__ = [
+    "ALLOCATOR_NAMES",
+    "ALLOCATOR_TITLES",
     "ALLOCATORS",
+    "PRIVILEGED",
+    "RepairSignals",
+    "SIGNAL_ALLOCATORS",
+    "top_b",
     "MessageSpan",
     "Region",
     "SelectionError",

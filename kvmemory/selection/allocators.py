@@ -1,4 +1,9 @@
-"""The five budget allocators behind one interface: SUR and its four matched controls (paper §3.2, §7.3, §7.4)."""
+"""The fourteen budget allocators behind one interface (paper §3.2, §4.1, §7.3, §7.4).
+
+SUR and its four matched controls score text (:data:`ALLOCATORS`); the eight prior-work-derived
+allocators and the privileged clean-state oracle read model signals of the repair in progress
+(:data:`SIGNAL_ALLOCATORS`, each in its own module). All of them spend exactly the allowance B.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,19 @@ from typing import Callable
 
 import torch
 
+from .a3 import a3
 from .bm25 import bm25_unit_scores
+from .cacheblend import cacheblend
+from .cachecraft import cachecraft
+from .cachetune import cachetune
+from .infoflow import infoflow
 from .inputs import SelectionInput, validate_input
+from .legolink import legolink
+from .oracle import oracle
+from .prophetkv import prophetkv
 from .relevance import relevance_scores
+from .signals import RepairSignals
+from .speccache import speccache
 from .unit_allocator import admit_units, allocate_units
 from .units import Unit, build_units
 
@@ -77,6 +92,28 @@ Allocator = Callable[[SelectionInput, int, "torch.Tensor | None", int], list[int
 ALLOCATORS: dict[str, Allocator] = {"sur": _sur, "dense": _dense, "window": _window, "bm25": _bm25, "random": _random}
 NEEDS_EMBEDDING = frozenset({"sur", "dense", "window"})
 
+SignalAllocator = Callable[[SelectionInput, int, RepairSignals, int], list[int]]
+SIGNAL_ALLOCATORS: dict[str, SignalAllocator] = {
+    "prophetkv": prophetkv,
+    "infoflow": infoflow,
+    "cachecraft": cachecraft,
+    "cacheblend": cacheblend,
+    "a3": a3,
+    "legolink": legolink,
+    "cachetune": cachetune,
+    "speccache": speccache,
+    "oracle": oracle,
+}
+ALLOCATOR_NAMES: tuple[str, ...] = (*ALLOCATORS, *SIGNAL_ALLOCATORS)  # the 14 of Appendix 7.4, in its order
+PRIVILEGED = frozenset({"oracle"})  # needs a full clean recomputation to select (Appendix 7.4)
+ALLOCATOR_TITLES = {
+    "sur": "SUR", "dense": "Dense tokens (same score)", "window": "Max-relevance contiguous",
+    "bm25": "BM25 (same units)", "random": "Random semantic units", "prophetkv": "ProphetKV-Adapted",
+    "infoflow": "InfoFlow-Motivated", "cachecraft": "Cache-Craft-Adapted", "cacheblend": "CacheBlend-Adapted",
+    "a3": "A3-Adapted", "legolink": "LegoLink-Adapted", "cachetune": "CacheTune-Adapted",
+    "speccache": "SpecCache-Adapted (aux = embedded model)", "oracle": "Clean-state oracle (privileged)",
+}
+
 
 def _check_selection(name: str, positions: list[int], inp: SelectionInput, budget: int) -> None:
     """Raise SelectionError unless ``positions`` are B unique sorted eligible positions."""
@@ -85,31 +122,43 @@ def _check_selection(name: str, positions: list[int], inp: SelectionInput, budge
         raise SelectionError(f"allocator {name!r} returned {len(positions)} positions for B={budget} that are not unique, sorted and eligible; this is a kvmemory bug")
 
 
-def select(name: str, inp: SelectionInput, B: int, *, embedding: torch.Tensor | None = None, seed: int = 0) -> list[int]:
+def select(
+    name: str,
+    inp: SelectionInput,
+    B: int,
+    *,
+    embedding: torch.Tensor | None = None,
+    seed: int = 0,
+    signals: RepairSignals | None = None,
+) -> list[int]:
     """Choose exactly B stale positions to refresh with the allocator ``name``.
 
     Args:
         name: "sur" (Semantic-Unit Refresh), "dense" (top-B tokens), "window" (max-relevance
-            contiguous), "bm25" (BM25 on the same units) or "random" (random semantic units).
+            contiguous), "bm25" (BM25 on the same units), "random" (random semantic units), or
+            one of the signal allocators of :data:`SIGNAL_ALLOCATORS` (see ALLOCATOR_TITLES).
         inp: the edited prompt; S = len(inp.eligible).
         B: allowance in tokens, 0 <= B <= S (see ``allowance``).
         embedding: the model's input embedding table [V, H]; required by sur, dense and window.
         seed: RNG seed of the random allocator (a fixed seed per case).
+        signals: model probes over the repair in progress; required by the signal allocators
+            (:func:`kvmemory.repair.repair` passes them).
 
     Returns:
         B unique, sorted prompt positions from ``inp.eligible``; [] for B = 0, all of them for B = S.
 
     Raises:
         ValueError: unknown name (lists the valid ones); B not an int in [0, S]; missing embedding
-            (sur, dense, window) or query_text (bm25); empty query_ids (sur, dense, window);
-            inconsistent spans in ``inp``.
+            (sur, dense, window) or query_text (bm25) or signals (signal allocators); empty
+            query_ids (sur, dense, window); inconsistent spans in ``inp``.
         SelectionError, UnitPartitionError: internal checks failed (a bug).
 
-    Source: paper §3.2 and §7.3 (SUR, Algorithm 1), §7.4 (the four matched controls), §7.1
+    Source: paper §3.2 and §7.3 (SUR, Algorithm 1), §7.4 and Table 1 (controls, adapted allocators
+    and oracle), §7.1
     (every allocator receives the same exact allowance).
     """
-    if name not in ALLOCATORS:
-        raise ValueError(f"unknown allocator {name!r}: use one of {', '.join(ALLOCATORS)}")
+    if name not in ALLOCATOR_NAMES:
+        raise ValueError(f"unknown allocator {name!r}: use one of {', '.join(ALLOCATOR_NAMES)}")
     S = len(inp.eligible)
     if isinstance(B, bool) or not isinstance(B, int) or not 0 <= B <= S:
         raise ValueError(f"B must be an int in [0, S={S}] (compute it with allowance(S, budget)), got {B!r}")
@@ -117,11 +166,16 @@ def select(name: str, inp: SelectionInput, B: int, *, embedding: torch.Tensor | 
         raise ValueError(f"allocator {name!r} scores tokens with the input embedding table: pass embedding=model.get_input_embeddings().weight")
     if name == "bm25" and inp.query_text is None:
         raise ValueError("allocator 'bm25' scores words: build the SelectionInput with query_text=<the next query>")
+    if name in SIGNAL_ALLOCATORS and name != "legolink" and signals is None:
+        raise ValueError(f"allocator {name!r} reads model signals: pass signals=RepairSignals(...) (repair() does)")
     validate_input(inp)
     if B == 0:
         return []
     if B == S:  # Algorithm 1 line 2: a full budget is a full suffix replay
         return list(inp.eligible)
-    positions = ALLOCATORS[name](inp, B, embedding, seed)
+    if name in SIGNAL_ALLOCATORS:
+        positions = SIGNAL_ALLOCATORS[name](inp, B, signals, seed)
+    else:
+        positions = ALLOCATORS[name](inp, B, embedding, seed)
     _check_selection(name, positions, inp, B)
     return positions

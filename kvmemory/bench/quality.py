@@ -1,0 +1,221 @@
+"""``kvmemory bench quality``: repair fidelity on Erasing-NIAH and natural multi-hop QA (paper §4.2, §4.3, Appendix 8).
+
+For every case, one KVSession prefills the pre-edit history once (untimed); every method then
+starts from a fork of that cache, applies the deletion plus the query under its policy and
+decodes greedily. The references (Re-prefill, Dirty, Shift, Replay) run once per case and are
+reused for every allocator and budget. Per case and method it records the answer, EM, agreement
+with Re-prefill's greedy answer, first-token KL(p_reprefill ‖ p_method), TV, NR_TV (eq. 14), the
+leak of the deleted needle's value, the latency split (selection, Shift, refresh, answer) and
+the recomputed positions and intervals. Cases are appended to ``cases.jsonl`` as they finish, so
+an interrupted run resumes where it stopped; ``summary.json``, ``report.md`` and PNG plots are
+rewritten from all finished cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ..demo_cases import default_data_dir
+from ..evaluation import QA_DATASETS, EvalCase, niah_cases, qa_cases
+from ..metrics import (
+    answers_agree,
+    first_token_kl,
+    first_token_tv,
+    leaked,
+    niah_exact_match,
+    normalized_recovery,
+    qa_exact_match,
+)
+from ..policy import RepairPolicy
+from ..selection import ALLOCATOR_NAMES, allowance
+from ..session import KVSession
+from .quality_report import write_outputs
+
+REFERENCES = ("reprefill", "dirty", "shift", "replay")
+QA_ALLOCATORS = ("sur", "bm25", "cacheblend", "infoflow", "prophetkv")  # the paper's QA comparison (§4.3)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", choices=("niah", "qa"), default="niah", help="Erasing-NIAH or natural multi-hop QA")
+    parser.add_argument("--budgets", default="2,5,10,20,40,80", help="suffix budgets b in %% (comma list)")
+    parser.add_argument("--allocators", default=None,
+                        help=f"comma list or 'all' (NIAH default: all 14; QA default: {','.join(QA_ALLOCATORS)})")
+    parser.add_argument("--cases", type=int, default=None, help="NIAH: cases per length; QA: sources per dataset")
+    parser.add_argument("--lengths", default="1024,2048,4096", help="NIAH prompt lengths in tokens")
+    parser.add_argument("--datasets", default=",".join(QA_DATASETS), help="QA datasets (comma list)")
+    parser.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/quality_<task>)")
+    parser.add_argument("--quick", action="store_true", help="a few small cases and budgets 2,5 (a few minutes)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="greedy answer limit in tokens, EOS stops earlier (default: NIAH 32, QA 24)")
+    parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--seed", type=int, default=0, help="case-construction and random-allocator seed")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite summary.json, report.md and plots from the cases already in --out/cases.jsonl")
+
+
+def _settings(args) -> dict:
+    """Resolved run settings (``--quick`` shrinks the defaults; explicit flags still win)."""
+    quick = args.quick
+    budgets = [float(b) for b in (args.budgets if not quick or args.budgets != "2,5,10,20,40,80" else "2,5").split(",")]
+    if args.allocators in (None, ""):
+        allocators = list(ALLOCATOR_NAMES if args.task == "niah" else QA_ALLOCATORS)
+    elif args.allocators == "all":
+        allocators = list(ALLOCATOR_NAMES)
+    else:
+        allocators = [a.strip() for a in args.allocators.split(",") if a.strip()]
+    unknown = [a for a in allocators if a not in ALLOCATOR_NAMES]
+    if unknown:
+        raise SystemExit(f"unknown allocator(s) {', '.join(unknown)}: use {', '.join(ALLOCATOR_NAMES)} or 'all'")
+    lengths = [int(x) for x in (args.lengths if not quick or args.lengths != "1024,2048,4096" else "1024").split(",")]
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    cases = args.cases if args.cases is not None else (2 if quick else 8 if args.task == "niah" else 5)
+    if quick and args.task == "qa" and args.datasets == ",".join(QA_DATASETS):
+        datasets = ["hotpotqa", "musique"]
+    return {"task": args.task, "budgets": budgets, "allocators": allocators, "lengths": lengths,
+            "datasets": datasets, "cases": cases, "seed": args.seed,
+            "max_new_tokens": args.max_new_tokens or (32 if args.task == "niah" else 24)}
+
+
+def build_cases(settings: dict, data_dir: Path, tokenizer) -> list[EvalCase]:
+    if settings["task"] == "niah":
+        return niah_cases(data_dir, tokenizer, settings["lengths"], settings["cases"], settings["seed"])
+    return qa_cases(data_dir, settings["datasets"], settings["cases"], settings["seed"])
+
+
+def _score(case: EvalCase, text: str) -> tuple[bool, bool | None]:
+    if case.task == "niah":
+        return niah_exact_match(text, case.gold), leaked(text, case.leak_value)
+    return qa_exact_match(text, case.gold, case.dataset), None
+
+
+def run_case(session: KVSession, case: EvalCase, settings: dict) -> dict:
+    """Every reference and allocator × budget on one case; returns its JSONL record."""
+    session.reset()
+    dirty_tokens = session.prepare(case.dirty_messages()).prompt_tokens
+    edited = case.edited_messages()
+    policies = [(name, RepairPolicy(operator=name)) for name in REFERENCES]
+    policies += [
+        (f"{a}@{b:g}", RepairPolicy(operator="refresh", allocator=a, budget=b, seed=settings["seed"]))
+        for b in settings["budgets"]
+        for a in settings["allocators"]
+    ]
+    runs, rows = {}, []
+    for label, policy in policies:
+        fork = session.fork()
+        report = fork.prepare(edited, policy=policy)
+        gen = fork.generate(max_new_tokens=settings["max_new_tokens"])
+        runs[label] = gen
+        ref, dirty = runs["reprefill"], runs.get("dirty", gen)
+        tv = first_token_tv(ref.first_logits, gen.first_logits)
+        tv_dirty = first_token_tv(ref.first_logits, dirty.first_logits)
+        em, leak = _score(case, gen.text)
+        B = allowance(report.stale_tokens, policy.budget) if policy.operator == "refresh" else None
+        if B is not None and report.refreshed_tokens != B and not report.fallback:
+            raise RuntimeError(f"{label} refreshed {report.refreshed_tokens} positions, allowance is {B} (a bug)")
+        other = report.latency_ms - report.selection_ms - report.shift_ms - report.refresh_ms
+        rows.append({
+            "method": label,
+            "allocator": policy.allocator if policy.operator == "refresh" else None,
+            "budget": policy.budget if policy.operator == "refresh" else None,
+            "answer": gen.text,
+            "em": em,
+            "leak": leak,
+            "agree": answers_agree(gen.text, ref.text),
+            "kl": first_token_kl(ref.first_logits, gen.first_logits),
+            "tv": tv,
+            "nr_tv": normalized_recovery(tv, tv_dirty),
+            "selection_ms": report.selection_ms,
+            "shift_ms": report.shift_ms,
+            "refresh_ms": report.refresh_ms,
+            "other_ms": other,
+            "answer_ms": gen.decode_ms,
+            "post_edit_ms": report.latency_ms + gen.decode_ms,
+            "stale_tokens": report.stale_tokens,
+            "allowance": B,
+            "refreshed_tokens": report.refreshed_tokens,
+            "recomputed_tokens": report.recomputed_tokens,
+            "intervals": report.intervals,
+            "spans": [list(s) for s in report.spans],
+            "fallback": report.fallback,
+        })
+    reference = rows[0]
+    return {"case_id": case.case_id, "task": case.task, "dataset": case.dataset, "source_id": case.source_id,
+            "gold": list(case.gold), "leak_value": case.leak_value, "deleted": list(case.deleted),
+            "query": case.query, "meta": dict(case.meta), "dirty_prompt_tokens": dirty_tokens,
+            "edited_prompt_tokens": reference["recomputed_tokens"], "methods": rows}
+
+
+def _done_ids(path: Path) -> set[str]:
+    """Case ids already in the JSONL (a torn last line from a crash is ignored)."""
+    done = set()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                done.add(json.loads(line)["case_id"])
+            except (json.JSONDecodeError, KeyError):
+                continue
+    return done
+
+
+def load_records(path: Path) -> list[dict]:
+    """Every complete case record of ``path``."""
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def run(args, console) -> int:
+    from tqdm import tqdm
+
+    from ..models import load_model
+
+    settings = _settings(args)
+    data_dir = args.data or default_data_dir()
+    if data_dir is None or not Path(data_dir).is_dir():
+        console.print("[red]no data folder: pass --data pointing at the shared data (hotpotqa/, niah_haystack/, ...)")
+        return 2
+    out = args.out or Path("benchmarks/results") / f"quality_{settings['task']}"
+    out.mkdir(parents=True, exist_ok=True)
+    jsonl = out / "cases.jsonl"
+    if args.report_only:
+        meta = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else settings
+        summary = write_outputs(out, load_records(jsonl), meta)
+        console.print(f"rewrote {out / 'summary.json'} and report.md from {summary['meta']['n_cases']} finished cases")
+        return 0
+    loaded = load_model(args.model, dtype=args.dtype)
+    cases = build_cases(settings, Path(data_dir), loaded.tokenizer)
+    done = _done_ids(jsonl)
+    todo = [c for c in cases if c.case_id not in done]
+    meta = {
+        "model": loaded.name, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(), "data": str(data_dir), **settings,
+        "speccache_auxiliary_model": f"{loaded.name} (the embedded model itself, not Llama-3.2-1B)",
+        "privileged": ["oracle"], "executor": "sequential-interval (kvmemory.repair as of this run)",
+    }
+    (out / "config.json").write_text(json.dumps(meta, indent=2))
+    console.print(f"quality/{settings['task']}: {len(cases)} cases ({len(done)} already done) -> {out}")
+    session = KVSession(loaded.model, loaded.tokenizer)
+    with jsonl.open("a") as sink:
+        for case in tqdm(todo, desc=f"quality {settings['task']}", unit="case"):
+            t0 = time.perf_counter()
+            record = run_case(session, case, settings)
+            record["case_seconds"] = time.perf_counter() - t0
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+    records = [r for r in load_records(jsonl) if r["case_id"] in {c.case_id for c in cases}]
+    summary = write_outputs(out, records, meta)
+    console.print(f"wrote {out / 'summary.json'}, {out / 'report.md'} and plots ({summary['meta']['n_cases']} cases)")
+    return 0

@@ -1,0 +1,233 @@
+"""Aggregates, paired bootstrap intervals, markdown report and plots of ``kvmemory bench quality``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from statistics import mean, median
+
+from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
+from ..metrics import contains_gold
+from ..selection import ALLOCATOR_TITLES
+
+REFERENCE_NAMES = ("dirty", "shift", "replay", "reprefill")
+BOOTSTRAP_REFERENCES = ("shift", "replay", "reprefill")
+
+
+def _rows(records: list[dict], method: str) -> list[dict]:
+    return [m for r in records for m in r["methods"] if m["method"] == method]
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Per-method aggregate over cases: fractions in [0, 1], KL in nats, times in ms (means)."""
+    defined = [m["nr_tv"] for m in rows if m["nr_tv"] is not None]
+    leaks = [m["leak"] for m in rows if m["leak"] is not None]
+    return {
+        "n": len(rows),
+        "agreement": mean(m["agree"] for m in rows),
+        "median_kl": median(m["kl"] for m in rows),
+        "mean_tv": mean(m["tv"] for m in rows),
+        "nr_tv": median(defined) if defined else None,  # median of the defined per-case ratios (App. 11)
+        "nr_tv_defined": len(defined),
+        "em": mean(m["em"] for m in rows),
+        "gold_in_answer": mean(m["gold_in_answer"] for m in rows),
+        "leak_rate": mean(leaks) if leaks else None,
+        "latency_ms": mean(m["post_edit_ms"] for m in rows),
+        "selection_ms": mean(m["selection_ms"] for m in rows),
+        "shift_ms": mean(m["shift_ms"] for m in rows),
+        "refresh_ms": mean(m["refresh_ms"] for m in rows),
+        "answer_ms": mean(m["answer_ms"] for m in rows),
+        "recomputed_tokens": mean(m["recomputed_tokens"] for m in rows),
+        "refreshed_tokens": mean(m["refreshed_tokens"] for m in rows),
+        "intervals": mean(m["intervals"] for m in rows),
+        "median_intervals": median(m["intervals"] for m in rows),
+        "fallbacks": sum(bool(m["fallback"]) for m in rows),
+    }
+
+
+def _methods(records: list[dict]) -> list[str]:
+    return list(dict.fromkeys(m["method"] for r in records for m in r["methods"]))
+
+
+def bootstrap_table(records: list[dict]) -> list[dict]:
+    """EM, agreement, gold-in-answer and first-token TV differences (percentage points, i.e. 100 ×
+    the difference of fractions) of every allocator@budget against Shift, Replay and Re-prefill,
+    with source-paired, dataset-stratified 95 % intervals."""
+    out = []
+    groups = [r["source_id"] for r in records]
+    strata = [r["dataset"] for r in records]
+    for method in _methods(records):
+        if "@" not in method:
+            continue
+        for ref in BOOTSTRAP_REFERENCES:
+            for metric in ("em", "agree", "gold_in_answer", "tv"):
+                diff = []
+                for r in records:
+                    by = {m["method"]: m for m in r["methods"]}
+                    diff.append(100.0 * (float(by[method][metric]) - float(by[ref][metric])))
+                est, lo, hi = paired_bootstrap(diff, groups, strata)
+                out.append({"method": method, "reference": ref, "metric": metric, "delta_pp": est,
+                            "ci_low": lo, "ci_high": hi, "n_cases": len(diff), "n_sources": len(set(groups))})
+    return out
+
+
+def _add_gold_in_answer(records: list[dict]) -> None:
+    """Lenient secondary score, derived from the stored answers: QA: a normalized gold answer or
+    alias occurs as a whole-word span of the answer (small models answer in sentences); NIAH: EM."""
+    for r in records:
+        for m in r["methods"]:
+            qa = r["task"] == "qa"
+            m["gold_in_answer"] = any(contains_gold(m["answer"], g) for g in r["gold"]) if qa else m["em"]
+
+
+def summarize(records: list[dict], meta: dict) -> dict:
+    """summary.json: allocator → budget → metrics, the references, per-group EM and the bootstrap."""
+    _add_gold_in_answer(records)
+    summary: dict = {}
+    for method in _methods(records):
+        agg = aggregate(_rows(records, method))
+        if "@" in method:
+            allocator, budget = method.split("@")
+            summary.setdefault(allocator, {})[budget] = agg
+        else:
+            summary[method] = agg
+    by_group: dict = {}
+    for dataset in dict.fromkeys(r["dataset"] for r in records):
+        subset = [r for r in records if r["dataset"] == dataset]
+        by_group[dataset] = {}
+        for m in _methods(subset):
+            agg = aggregate(_rows(subset, m))
+            by_group[dataset][m] = {k: agg[k] for k in ("em", "gold_in_answer", "agreement", "median_kl")} | {"n": len(subset)}
+    summary["by_group"] = by_group
+    summary["bootstrap"] = {"replicates": REPLICATES, "seed": SEED, "rows": bootstrap_table(records)}
+    summary["meta"] = {**meta, "n_cases": len(records), "n_sources": len({r["source_id"] for r in records}),
+                       "datasets": sorted({r["dataset"] for r in records})}
+    return summary
+
+
+def _fmt(x, spec=".2f"):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(summary: dict) -> str:
+    meta = summary["meta"]
+    lines = [
+        f"# kvmemory bench quality: {meta['task']} ({meta['n_cases']} cases, {meta['n_sources']} sources)",
+        "",
+        f"Model {meta['model']} ({meta['dtype']}), {meta['executor']}, greedy answers of at most "
+        f"{meta['max_new_tokens']} tokens, CPU ({meta['machine']}, {meta['torch_threads']} threads, shared). "
+        f"Groups: {', '.join(meta['datasets'])}. SpecCache-adapted auxiliary model: {meta['speccache_auxiliary_model']}. "
+        "The clean-state oracle is privileged (it needs a full recomputation to select).",
+        "",
+        "Agreement = greedy answer equal to Re-prefill's; KL = first-token KL(p_reprefill ‖ p_method) (median, nats); "
+        "NR_TV = median of defined per-case 1 − TV(method)/TV(dirty) (eq. 14, unclipped); EM = task exact match; "
+        "gold-in = (QA) gold answer or alias inside the answer; leak = deleted needle value still emitted; latency = mean post-edit ms (selection + Shift + refresh incl. query "
+        "prefill + answer decoding).",
+        "",
+        "## References",
+        "",
+        "| method | agreement | median KL | NR_TV | EM | gold-in | leak | latency ms | recomputed | intervals |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ref in REFERENCE_NAMES:
+        if ref in summary:
+            m = summary[ref]
+            lines.append(f"| {ref} | {m['agreement']:.2f} | {m['median_kl']:.2e} | {_fmt(m['nr_tv'])} | {m['em']:.2f} | "
+                         f"{m['gold_in_answer']:.2f} | {_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['recomputed_tokens']:.0f} | {m['intervals']:.1f} |")
+    lines += ["", "## Allocators × budget", "",
+              "| allocator | budget % | agreement | median KL | NR_TV | EM | gold-in | leak | latency ms | selection ms | "
+              "refresh ms | answer ms | recomputed | intervals |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, title in ALLOCATOR_TITLES.items():
+        for budget, m in summary.get(name, {}).items():
+            lines.append(
+                f"| {title} | {budget} | {m['agreement']:.2f} | {m['median_kl']:.2e} | {_fmt(m['nr_tv'])} | {m['em']:.2f} | "
+                f"{m['gold_in_answer']:.2f} | {_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['selection_ms']:.0f} | {m['refresh_ms']:.0f} | "
+                f"{m['answer_ms']:.0f} | {m['recomputed_tokens']:.0f} | {m['intervals']:.1f} |")
+    lines += ["", "## Paired differences (EM, percentage points; 95 % source-paired bootstrap, "
+              f"{summary['bootstrap']['replicates']} replicates, seed {summary['bootstrap']['seed']})", "",
+              "| method | vs | ΔEM pp | 95 % CI | Δagreement pp | 95 % CI | Δgold-in pp | 95 % CI | ΔTV pp | 95 % CI |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = summary["bootstrap"]["rows"]
+    for r in rows:
+        if r["metric"] != "em":
+            continue
+        a, g, t = (next(x for x in rows if x["metric"] == metric and x["method"] == r["method"] and x["reference"] == r["reference"])
+                   for metric in ("agree", "gold_in_answer", "tv"))
+        lines.append(f"| {r['method']} | {r['reference']} | {r['delta_pp']:+.1f} | [{r['ci_low']:+.1f}, {r['ci_high']:+.1f}] | "
+                     f"{a['delta_pp']:+.1f} | [{a['ci_low']:+.1f}, {a['ci_high']:+.1f}] | "
+                     f"{g['delta_pp']:+.1f} | [{g['ci_low']:+.1f}, {g['ci_high']:+.1f}] | "
+                     f"{t['delta_pp']:+.2f} | [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}] |")
+    lines += ["", "## EM by group", ""]
+    groups = summary["by_group"]
+    methods = list(next(iter(groups.values())).keys()) if groups else []
+    lines += ["| method | " + " | ".join(f"{g} (n={v[methods[0]]['n']})" for g, v in groups.items()) + " |",
+              "|---|" + "---|" * len(groups)]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(_fmt(groups[g].get(m, {}).get("em")) for g in groups) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(summary: dict, out: Path) -> list[Path]:
+    """fidelity_vs_budget.png (agreement and EM per allocator) and fidelity_vs_latency.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    allocators = [a for a in ALLOCATOR_TITLES if a in summary]
+    paths = []
+    panels = (("agreement", "agreement with Re-prefill"), ("em", "EM"), ("nr_tv", "NR_TV (median, eq. 14)"))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    all_budgets = sorted({float(b) for a in allocators for b in summary[a]})
+    for ax, (metric, label) in zip(axes, panels):
+        for a in allocators:
+            budgets = sorted(summary[a], key=float)
+            ys = [summary[a][b][metric] for b in budgets]
+            ax.plot([float(b) for b in budgets], [float("nan") if y is None else y for y in ys], marker="o",
+                    label=ALLOCATOR_TITLES[a])
+        for ref, style in (("shift", ":"), ("replay", "--"), ("reprefill", "-")):
+            if ref in summary and summary[ref][metric] is not None:
+                ax.axhline(summary[ref][metric], color="k", linestyle=style, linewidth=1, label=ref)
+        ax.set_xscale("log")
+        ax.set_xticks(all_budgets, [f"{b:g}" for b in all_budgets])
+        ax.minorticks_off()
+        ax.set_xlabel("suffix budget b (%)")
+        ax.set_ylabel(label)
+        if metric != "nr_tv":
+            ax.set_ylim(-0.02, 1.02)
+    axes[2].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{summary['meta']['task']}: fidelity vs budget ({summary['meta']['n_cases']} cases, {summary['meta']['model']})")
+    fig.tight_layout()
+    paths.append(out / "fidelity_vs_budget.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for a in allocators:
+        budgets = sorted(summary[a], key=float)
+        ax.plot([summary[a][b]["latency_ms"] for b in budgets], [summary[a][b]["agreement"] for b in budgets],
+                marker="o", label=ALLOCATOR_TITLES[a])
+    for ref, marker in (("shift", "s"), ("replay", "^"), ("reprefill", "*")):
+        if ref in summary:
+            ax.scatter([summary[ref]["latency_ms"]], [summary[ref]["agreement"]], marker=marker, s=90, color="k", zorder=5)
+            ax.annotate(ref, (summary[ref]["latency_ms"], summary[ref]["agreement"]), fontsize=8)
+    ax.set_xlabel("mean post-edit latency (ms, incl. answer decoding)")
+    ax.set_ylabel("agreement with Re-prefill")
+    ax.legend(fontsize=7)
+    ax.set_title("fidelity vs latency")
+    fig.tight_layout()
+    paths.append(out / "fidelity_vs_latency.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write_outputs(out: Path, records: list[dict], meta: dict) -> dict:
+    """Write summary.json, report.md and the plots from the finished case records."""
+    summary = summarize(records, meta)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "report.md").write_text(markdown(summary))
+    if records:
+        plots(summary, out)
+    return summary
