@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -20,6 +20,9 @@ from .prompt import ChatMessage, RenderedPrompt, TemplateError, normalize_messag
 from .repair import RepairContext, repair
 
 log = logging.getLogger(__name__)
+
+# transformers' LogitsProcessor convention: (input_ids [1, L], scores [1, vocab]) -> scores
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class UnknownMessageError(KeyError):
@@ -220,13 +223,19 @@ class KVSession:
 
     # -------------------------------------------------------------- decode
     def generate(
-        self, max_new_tokens: int = 64, *, temperature: float = 0.0, seed: int | None = None
+        self,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> Generation:
         """Decode an answer from the live cache (greedy unless ``temperature`` > 0).
 
         Stops at an end-of-turn token or after ``max_new_tokens``. The answer's rows stay in the
         cache, so the next turn that includes this answer reuses them. After a ``length`` stop,
-        calling ``generate`` again continues the same answer.
+        calling ``generate`` again continues the same answer. ``logits_processor`` follows the
+        transformers ``LogitsProcessor`` call convention (see :meth:`stream_tokens`).
 
         Raises:
             ValueError: ``max_new_tokens`` < 1.
@@ -234,29 +243,60 @@ class KVSession:
                 with an end-of-turn token (call ``prepare`` with the next messages).
             ContextOverflowError: no room left in the model's context.
         """
+        t0 = time.perf_counter()
+        first = self.next_logits
+        tokens = self.stream_tokens(max_new_tokens, temperature=temperature, seed=seed,
+                                    logits_processor=logits_processor)
+        out = list(tokens)
+        reason = "length" if self.next_logits is not None else "stop"
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return Generation(text, out, first, reason, (time.perf_counter() - t0) * 1000.0)
+
+    def stream_tokens(
+        self,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> Iterator[int]:
+        """Decode from the live cache, yielding each answer token id as soon as it is cached.
+
+        The session is consistent after every yielded token: closing the iterator early leaves
+        the answer so far in the cache with its next-token logits pending (like a ``length``
+        stop). After an end-of-turn token, ``next_logits`` is None.
+
+        Args:
+            logits_processor: called as ``processor(input_ids, scores)`` before each pick, with
+                ``input_ids`` LongTensor ``[1, L]`` (the cached ids, last = the token picked
+                before) and ``scores`` fp32 ``[1, vocab]``; returns the scores to pick from
+                (e.g. ``xgrammar.contrib.hf.LogitsProcessor`` for constrained decoding).
+
+        Raises:
+            ValueError, RuntimeError, ContextOverflowError: as :meth:`generate`, when the
+                iteration starts.
+        """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         if self.next_logits is None:
             raise RuntimeError("call prepare(messages) before generate(): the cache has no pending prompt")
         self._check_fits(len(self.token_ids))
-        t0 = time.perf_counter()
         stop_ids = self._stop_ids()
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        logits, first, out, reason = self.next_logits, self.next_logits, [], "length"
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
         for _ in range(limit):
+            logits = self.next_logits
+            if logits_processor is not None:
+                logits = logits_processor(torch.tensor([self.token_ids]), logits[None].clone())[0]
             token = _pick(logits, temperature, generator)
             if token in stop_ids:
-                reason = "stop"
-                break
-            out.append(token)
-            logits = forward_rows(self.model, self.cache, torch.tensor([token]), len(self.token_ids))
+                self.next_logits = None
+                return
+            self.next_logits = forward_rows(self.model, self.cache, torch.tensor([token]), len(self.token_ids))
             if self.exact_rows == len(self.token_ids):  # a row computed on an exact cache is exact
                 self.exact_rows += 1
             self.token_ids.append(token)
-        self.next_logits = logits if reason == "length" else None
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        return Generation(text, out, first, reason, (time.perf_counter() - t0) * 1000.0)
+            yield token
 
     def _stop_ids(self) -> set[int]:
         ids = set()
