@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from langchain.agents.middleware import AgentMiddleware
 from langchain_core.messages import (
     AnyMessage,
     BaseMessage,
@@ -34,6 +35,8 @@ from langchain_core.messages import (
 from langchain_core.messages.utils import count_tokens_approximately
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langgraph.graph.message import REMOVE_ALL_MESSAGES
+
+from kvmemory.policy import RepairPolicy
 
 TokenCounter = Callable[[Sequence[BaseMessage]], int]
 
@@ -167,3 +170,33 @@ def side_thread_summarizer(
         return model.invoke(request, config=side, max_tokens=max_tokens).text.strip()
 
     return RunnableLambda(summarize, name="side_thread_summarizer")
+
+
+class RepairBudgetMiddleware(AgentMiddleware):
+    """LangChain v1 agent middleware that sets the repair policy of every model call.
+
+    ``create_agent`` passes ``request.model_settings`` to the chat model's ``bind`` /
+    ``bind_tools``; kvmemory's chat model reads ``repair_policy`` from there, so the edits made
+    by ``ContextEditingMiddleware`` or ``SummarizationMiddleware`` are repaired at this budget.
+
+    Args:
+        budget: b in % of the stale suffix (0 = Shift, 100 = Replay), or a policy label such as
+            ``"sur@5"``, ``"bm25@2"`` or ``"reprefill"`` (for baselines).
+
+    Raises:
+        ValueError: an invalid budget or label (checked here, not at the first model call).
+    """
+
+    def __init__(self, budget: float | str = 5.0):
+        super().__init__()
+        label = budget if isinstance(budget, str) else f"sur@{float(budget):g}"
+        self.policy = RepairPolicy.coerce(label)
+
+    def wrap_model_call(self, request, handler):
+        return handler(self._with_policy(request))
+
+    async def awrap_model_call(self, request, handler):
+        return await handler(self._with_policy(request))
+
+    def _with_policy(self, request):
+        return request.override(model_settings={**request.model_settings, "repair_policy": self.policy.label})
