@@ -227,6 +227,31 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         await self.saver.adelete_thread(thread_id)
         self._forget(thread_id)
 
+    # --------------------------------------------------------- copy_thread
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy all checkpoints and pending writes of a thread (blob references included: the
+        copy shares the content-addressed blobs and restores from them on first use). Uses the
+        wrapped saver's own ``copy_thread`` when it has one, else its public put/list methods."""
+        if _overrides(self.saver, "copy_thread"):
+            return self.saver.copy_thread(source_thread_id, target_thread_id)
+        tuples = list(self.saver.list({"configurable": {"thread_id": str(source_thread_id)}}))
+        for tup in reversed(tuples):  # oldest first, so parents exist before their children
+            config, writes = _copied(tup, str(target_thread_id))
+            stored = self.saver.put(config, tup.checkpoint, tup.metadata, tup.checkpoint["channel_versions"])
+            for task_id, task_writes in writes:
+                self.saver.put_writes(stored, task_writes, task_id)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Async :meth:`copy_thread`."""
+        if _overrides(self.saver, "acopy_thread"):
+            return await self.saver.acopy_thread(source_thread_id, target_thread_id)
+        tuples = [t async for t in self.saver.alist({"configurable": {"thread_id": str(source_thread_id)}})]
+        for tup in reversed(tuples):
+            config, writes = _copied(tup, str(target_thread_id))
+            stored = await self.saver.aput(config, tup.checkpoint, tup.metadata, tup.checkpoint["channel_versions"])
+            for task_id, task_writes in writes:
+                await self.saver.aput_writes(stored, task_writes, task_id)
+
     # ----------------------------------------------------- blob housekeeping
     def collect_garbage(self, *, grace_s: float = 300.0) -> list[str]:
         """Delete blobs no stored checkpoint references (older than ``grace_s`` seconds).
@@ -350,6 +375,22 @@ def _ref_of(metadata) -> BlobRef | None:
         return BlobRef.from_dict(raw) if raw is not None else None
     except BlobError:
         return None
+
+
+def _overrides(saver: BaseCheckpointSaver, method: str) -> bool:
+    return getattr(type(saver), method) is not getattr(BaseCheckpointSaver, method)
+
+
+def _copied(tup: CheckpointTuple, target: str) -> tuple[RunnableConfig, list[tuple[str, list]]]:
+    """The put config of ``tup`` in thread ``target`` (same namespace and parent) and its pending
+    writes grouped by task, in their stored order."""
+    ns = _thread_and_ns(tup.config)[1]
+    parent = (tup.parent_config or {}).get("configurable", {}).get("checkpoint_id")
+    config = {"configurable": {"thread_id": target, "checkpoint_ns": ns, **({"checkpoint_id": parent} if parent else {})}}
+    grouped: dict[str, list] = {}
+    for task_id, channel, value in tup.pending_writes or []:
+        grouped.setdefault(task_id, []).append((channel, value))
+    return config, list(grouped.items())
 
 
 def _thread_config(tup: CheckpointTuple) -> RunnableConfig:

@@ -92,6 +92,9 @@ async def test_conformance_base_capabilities(tokenizer):
     _TOKENIZER[:] = [tokenizer]
     report = await validate(kv_sqlite_saver)
     assert report.passed_all_base(), report
+    assert sum(report.results[c].tests_passed for c in ("put", "put_writes", "get_tuple", "list", "delete_thread")) >= 58
+    # extended: copy_thread is implemented over the wrapped saver's public methods
+    assert report.results["copy_thread"].detected and report.results["copy_thread"].passed, report
 
 
 # --------------------------------------------------------- live caches in a graph
@@ -206,6 +209,20 @@ def test_unchanged_cache_is_not_rewritten_and_delete_thread_drops_it(tmp_path, t
         assert "t-1" not in saver.threads and saver.get_tuple(CONFIG) is None
         os.utime(saver.store.path(refs[0]["sha256"]), (0, 0))
         assert saver.collect_garbage() == [refs[0]["sha256"]]
+
+
+def test_copied_thread_resumes_from_the_shared_blob(tmp_path, tokenizer, llama):
+    db = tmp_path / "chk.sqlite"
+    _, first_prompt = _turn_one(llama, tokenizer, db)
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
+        saver.copy_thread("t-1", "t-2")
+        copied = {"configurable": {"thread_id": "t-2"}}
+        assert [t.checkpoint["id"] for t in saver.list(copied)] == [t.checkpoint["id"] for t in saver.list(CONFIG)]
+        reports: list = []
+        _graph(saver.threads, saver, reports).invoke({"messages": TURN2}, copied)
+        assert "t-1" not in saver.threads and not saver.restore_failures
+    assert reports[0].reused_tokens >= first_prompt - 1
+    assert len(list((tmp_path / "chk.sqlite.kvcache").rglob("*.safetensors"))) == 2  # turn 1 + t-2's turn 2
 
 
 def test_blob_dir_is_required_where_it_cannot_be_derived(tokenizer, llama):
