@@ -85,6 +85,7 @@ class KVSession:
         self.rendered: RenderedPrompt | None = None
         self.next_logits: torch.Tensor | None = None
         self.last_report: RepairReport | None = None
+        self.answer_committed = False  # rendered holds the last answer as a message (no generation prompt)
 
     @property
     def messages(self) -> list[ChatMessage]:
@@ -158,7 +159,7 @@ class KVSession:
             log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
         self.cache, self.token_ids, self.rendered = result.cache, list(new.token_ids), new
         self.next_logits, self.exact_rows = result.next_logits, result.exact_rows
-        self.last_report = report
+        self.last_report, self.answer_committed = report, False
         return report
 
     def _render(self, messages: list[ChatMessage], previous="session") -> tuple[RenderedPrompt, str | None]:
@@ -305,12 +306,44 @@ class KVSession:
             ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         return ids
 
+    def commit_answer(self, answer: Mapping[str, Any]) -> bool:
+        """Hold the answer just generated as a message of its own (e.g. ``{"role": "assistant",
+        "content": text, "id": ...}``): forward the end-of-turn text the chat template writes
+        after it and make it a segment, so a later edit before it Shifts its rows instead of
+        recomputing them as new text.
+
+        Returns:
+            True if committed. False (nothing changed) when the answer has not ended with an
+            end-of-turn token, or its rendering does not start with the cached rows (e.g. the
+            text was cut at a stop sequence): the next ``prepare`` then treats it as new text.
+        """
+        if self.rendered is None or self.next_logits is not None:
+            return False
+        try:
+            messages = normalize_messages(list(self.rendered.messages) + [answer])
+            new = render_prompt(self.tokenizer, messages, tools=self.tools, generation_prompt=False,
+                                previous=self.rendered)
+        except (TemplateError, ValueError):
+            return False
+        n = len(self.token_ids)
+        if len(new) <= n or tuple(self.token_ids) != new.token_ids[:n]:
+            return False
+        forward_rows(self.model, self.cache, torch.tensor(new.token_ids[n:]), n)
+        if self.exact_rows == n:
+            self.exact_rows = len(new)
+        self.token_ids, self.rendered, self.answer_committed = list(new.token_ids), new, True
+        return True
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless the cached ids equal the tokenization of the held messages
         (followed by generated tokens) and the cache has one row per id."""
         assert kvcache.cache_length(self.cache) == len(self.token_ids), "cache rows != token ids"
         if self.rendered is not None:
-            fresh, _ = self._render(list(self.rendered.messages), previous=None)
+            if self.answer_committed:
+                fresh = render_prompt(self.tokenizer, list(self.rendered.messages), tools=self.tools,
+                                      generation_prompt=False)
+            else:
+                fresh, _ = self._render(list(self.rendered.messages), previous=None)
             n = len(fresh.token_ids)
             assert tuple(self.token_ids[:n]) == fresh.token_ids, "cached ids differ from the messages' tokenization"
 

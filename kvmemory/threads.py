@@ -47,6 +47,8 @@ class CacheState:
         next_logits: fp32 ``[vocab]`` logits of the pending next token, or None when the last
             answer ended (a new ``prepare`` is due).
         model_name: free text naming the model the rows came from (checked on import).
+        answer_committed: the last message is an answer held as a message (rendered without a
+            generation prompt, see ``KVSession.commit_answer``).
     """
 
     token_ids: list[int]
@@ -56,6 +58,7 @@ class CacheState:
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     next_logits: torch.Tensor | None = None
     model_name: str = ""
+    answer_committed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +85,7 @@ class CacheState:
             "tools": json.dumps(self.tools, default=str),
             "exact_rows": str(self.exact_rows),
             "model_name": self.model_name,
+            "answer_committed": "1" if self.answer_committed else "0",
         }
 
     @classmethod
@@ -106,6 +110,7 @@ class CacheState:
                 layers=layers,
                 next_logits=tensors.get("next_logits"),
                 model_name=metadata.get("model_name", ""),
+                answer_committed=metadata.get("answer_committed") == "1",
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise CacheStateError(f"incomplete thread state ({exc!r}): re-prefill from the messages") from exc
@@ -116,7 +121,13 @@ class CacheState:
 
 
 def export_state(session: KVSession, model_name: str = "") -> CacheState:
-    """Detached copy of ``session``'s cache state (K/V cloned: later repairs never alter it)."""
+    """Detached copy of ``session``'s cache state (K/V cloned: later repairs never alter it).
+
+    Raises:
+        CacheStateError: the session holds no rows yet (nothing to export).
+    """
+    if not session.token_ids:
+        raise CacheStateError("the session holds no cache rows yet: nothing to export")
     held = [{"role": m.role, "content": m.content, "id": m.key, **m.extra} for m in session.messages]
     return CacheState(
         token_ids=list(session.token_ids),
@@ -126,6 +137,7 @@ def export_state(session: KVSession, model_name: str = "") -> CacheState:
         layers=[(k.clone(), v.clone()) for k, v in kvcache.layer_tensors(session.cache)],
         next_logits=None if session.next_logits is None else session.next_logits.clone(),
         model_name=model_name,
+        answer_committed=session.answer_committed,
     )
 
 
@@ -145,7 +157,8 @@ def import_state(session: KVSession, state: CacheState) -> None:
     if state.messages:
         try:
             messages = normalize_messages(state.messages)
-            rendered = render_prompt(session.tokenizer, messages, tools=state.tools)
+            rendered = render_prompt(session.tokenizer, messages, tools=state.tools,
+                                     generation_prompt=not state.answer_committed)
         except (TemplateError, ValueError) as exc:
             raise CacheStateError(f"stored messages do not render ({exc})") from exc
         if tuple(state.token_ids[: len(rendered)]) != rendered.token_ids:
@@ -159,6 +172,7 @@ def import_state(session: KVSession, state: CacheState) -> None:
     session.exact_rows = min(state.exact_rows, len(state.token_ids))
     session.rendered = rendered
     session.next_logits = None if state.next_logits is None else state.next_logits.to(device)
+    session.answer_committed = state.answer_committed
 
 
 def _check_layout(session: KVSession, state: CacheState) -> None:
@@ -325,9 +339,10 @@ class ThreadCaches:
 
     # ----------------------------------------------------- export / import
     def export_state(self, thread_id: str) -> CacheState | None:
-        """A detached copy of the thread's cache state, or None if the thread is not live."""
-        entry = self._entries.get(thread_id)
-        if entry is None:
+        """A detached copy of the thread's cache state, or None if the thread is not live or
+        holds no rows yet."""
+        entry = self._entries.get(str(thread_id))
+        if entry is None or not entry.session.token_ids:
             return None
         with entry.lock:
             return export_state(entry.session, self.model_name)
