@@ -279,7 +279,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         tid = _thread_and_ns(config)[0]
         try:
             stored = self._store_thread(tid)
-        except OSError as exc:  # the checkpoint matters more than the cache: store it anyway
+        except (OSError, CacheStateError) as exc:  # the checkpoint matters more than the cache: store it anyway
             log.warning("kvmemory: thread %r: live cache not persisted (%s); a restart will re-prefill", tid, exc)
             return metadata
         if stored is None:
