@@ -3,7 +3,7 @@ tool, while ClearToolUsesEdit clears old tool outputs (same ids, new content) â€
 repaired in the live cache with a budgeted Semantic-Unit Refresh instead of a Re-prefill.
 
 Run:  .venv/bin/python examples/agents/hotpot_react.py [--data ../shared/data] [--index 0]
-      [--hops 3] [--budget 5] [--max-tokens 24] [--json out.json]
+      [--hops 3] [--budget 5] [--max-tokens 48] [--answer-tokens 24] [--json out.json]
 
 Per hop it prints the context length, the tokens reused from the live cache, the tokens
 recomputed (new text vs repair) and the latency against a Re-prefill of the same prompt.
@@ -80,15 +80,19 @@ def passage_lookup(paragraphs: list[tuple[str, str]]):
 
 class HopPlan(AgentMiddleware):
     """Forces a lookup on each of the first ``hops`` model calls, then asks for the answer
-    (``tool_choice="none"``; the tools stay in the prompt so the cached prefix is unchanged)."""
+    (``tool_choice="none"``, at most ``answer_tokens``; the tools stay in the prompt so the
+    cached prefix is unchanged)."""
 
-    def __init__(self, hops: int):
+    def __init__(self, hops: int, answer_tokens: int):
         super().__init__()
-        self.hops = hops
+        self.hops, self.answer_tokens = hops, answer_tokens
 
     def wrap_model_call(self, request, handler):
         calls = sum(1 for m in request.messages if isinstance(m, AIMessage) and m.tool_calls)
-        return handler(request.override(tool_choice="any" if calls < self.hops else "none"))
+        if calls < self.hops:
+            return handler(request.override(tool_choice="any"))
+        settings = {**request.model_settings, "max_tokens": self.answer_tokens}
+        return handler(request.override(tool_choice="none", model_settings=settings))
 
 
 class HopRecorder(AgentMiddleware):
@@ -108,13 +112,14 @@ class HopRecorder(AgentMiddleware):
         return response
 
 
-def build_agent(chat: ChatKVMemory, paragraphs, *, hops: int, budget: float, clear_trigger: int, recorder):
+def build_agent(chat: ChatKVMemory, paragraphs, *, hops: int, answer_tokens: int, budget: float, clear_trigger: int,
+                recorder):
     edits = ClearToolUsesEdit(trigger=clear_trigger, keep=1)  # keep only the newest tool output
     return create_agent(
         model=chat,
         tools=[passage_lookup(paragraphs)],
         system_prompt=SYSTEM,
-        middleware=[recorder, HopPlan(hops), ContextEditingMiddleware(edits=[edits]), RepairBudgetMiddleware(budget)],
+        middleware=[recorder, HopPlan(hops, answer_tokens), ContextEditingMiddleware(edits=[edits]), RepairBudgetMiddleware(budget)],
     )
 
 
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace, lm=None, console: Console | None = None) -> di
     chat = ChatKVMemory(model=lm, max_tokens=args.max_tokens, temperature=0.0)
     thread_id = f"hotpot-{item['_id']}"
     recorder = HopRecorder(chat, thread_id, lm)
-    agent = build_agent(chat, paragraphs, hops=args.hops, budget=args.budget,
+    agent = build_agent(chat, paragraphs, hops=args.hops, answer_tokens=args.answer_tokens, budget=args.budget,
                         clear_trigger=args.clear_trigger, recorder=recorder)
     console.print(f"[bold]Question:[/bold] {item['question']}  (gold: {item['answer']})")
     result = agent.invoke({"messages": [{"role": "user", "content": item["question"]}]},
@@ -156,7 +161,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=int, default=0, help="HotpotQA item (0-199)")
     p.add_argument("--hops", type=int, default=3, help="lookups before the answer")
     p.add_argument("--budget", type=float, default=5.0, help="repair budget b in %% of the stale suffix")
-    p.add_argument("--max-tokens", type=int, default=48, help="answer / tool-call length cap (tokens)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tool-call length cap (tokens)")
+    p.add_argument("--answer-tokens", type=int, default=24, help="final answer length cap (tokens)")
     p.add_argument("--clear-trigger", type=int, default=200,
                    help="ClearToolUsesEdit trigger (approximate tokens of the history)")
     p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
