@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,3 +251,51 @@ async def test_async_restart_resumes_from_the_stored_cache(tmp_path, tokenizer, 
         assert not saver.restore_failures
     live = _without_restart(llama, tokenizer, tmp_path / "live.sqlite")
     assert reports[1].reused_tokens == live.reused_tokens >= reports[0].prompt_tokens - 1
+
+
+# ------------------------------------------- the chat model across a real process restart
+RESTART_TURN = """
+import json, sys
+from langchain_core.messages import HumanMessage
+from langchain_kvmemory import ChatKVMemory
+from langchain_kvmemory.checkpointer import KVCheckpointSaver
+sys.path.insert(0, {tests!r})
+from test_checkpointer import chat_graph
+chat = ChatKVMemory(max_tokens=4)
+with KVCheckpointSaver.from_sqlite({db!r}, chat) as saver:
+    out = chat_graph(chat, saver).invoke({{"messages": [HumanMessage("And at sunset?", id="u2")]}},
+                                         {{"configurable": {{"thread_id": "t-1"}}}})
+    print(json.dumps({{"usage": out["messages"][-1].usage_metadata, "repair": out["messages"][-1].response_metadata["repair"],
+                      "failures": saver.restore_failures, "n": len(out["messages"])}}))
+"""
+
+
+def chat_graph(chat, saver):
+    """A one-node graph around ChatKVMemory (also imported by the restarted process)."""
+    builder = StateGraph(MessagesState)
+    builder.add_node("answer", lambda state: {"messages": [chat.invoke(state["messages"])]})
+    builder.add_edge(START, "answer")
+    return builder.compile(checkpointer=saver)
+
+
+@pytest.mark.real_model
+def test_chat_model_resumes_from_the_stored_cache_after_a_process_restart(tmp_path, real):
+    import json
+    import subprocess
+    import sys
+
+    from langchain_kvmemory import ChatKVMemory
+
+    db = tmp_path / "chk.sqlite"
+    chat = ChatKVMemory(model=real, max_tokens=4)
+    with KVCheckpointSaver.from_sqlite(db, chat) as saver:
+        first = chat_graph(chat, saver).invoke({"messages": TURN1}, CONFIG)["messages"][-1]
+    script = RESTART_TURN.format(tests=str(Path(__file__).parent), db=str(db))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    prompt1 = first.usage_metadata["input_tokens"]
+    assert out["failures"] == {} and out["n"] == 5
+    assert out["usage"]["input_token_details"]["cache_read"] >= prompt1  # turn one's rows came from the blob
+    assert out["repair"]["operator"] == "refresh" and out["repair"]["fallback"] is None
+    assert out["repair"]["recomputed_tokens"] < out["usage"]["input_tokens"] - prompt1 + 2  # only the new turn
