@@ -174,6 +174,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> Iterator[CheckpointTuple]:
+        """The wrapped saver's checkpoints (metadata includes ``kvmemory_cache`` where stored)."""
         return self.saver.list(config, filter=filter, before=before, limit=limit)
 
     def put(
@@ -183,6 +184,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         return self.saver.put(config, checkpoint, self._with_cache_ref(config, metadata), new_versions)
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
+        """Delegated unchanged (pending writes hold no cache state)."""
         return self.saver.put_writes(config, writes, task_id, task_path)
 
     def delete_thread(self, thread_id: str) -> None:
@@ -192,6 +194,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
 
     # ------------------------------------------------------------ async API
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """Async :meth:`get_tuple` (blob reading and import run in a worker thread)."""
         tup = await self.saver.aget_tuple(config)
         if tup is not None and self._wants_restore(tup):
             older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
@@ -208,12 +211,14 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         before: RunnableConfig | None = None,
         limit: int | None = None,
     ) -> AsyncIterator[CheckpointTuple]:
+        """Async :meth:`list`."""
         async for tup in self.saver.alist(config, filter=filter, before=before, limit=limit):
             yield tup
 
     async def aput(
         self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
     ) -> RunnableConfig:
+        """Async :meth:`put` (serialising and writing the blob run in a worker thread)."""
         if self._has_live_thread(config):  # serialising K/V is blocking file work: off the event loop
             metadata = await asyncio.to_thread(self._with_cache_ref, config, metadata)
         return await self.saver.aput(config, checkpoint, metadata, new_versions)
@@ -221,9 +226,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     async def aput_writes(
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
     ) -> None:
+        """Async :meth:`put_writes`."""
         return await self.saver.aput_writes(config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:
+        """Async :meth:`delete_thread`."""
         await self.saver.adelete_thread(thread_id)
         self._forget(thread_id)
 
