@@ -2,3 +2,7 @@
 
 The core (``kvmemory``) never imports LangChain; everything that does lives here.
 """
+
+from .chat_model import ChatKVMemory
+
+__all__ = ["ChatKVMemory"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -21,6 +21,9 @@ from .reforge.state import ReforgeConfig, ReforgeState, source_rows
 from .repair import RepairContext, repair
 
 log = logging.getLogger(__name__)
+
+# transformers' LogitsProcessor convention: (input_ids [1, L], scores [1, vocab]) -> scores
+LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class UnknownMessageError(KeyError):
@@ -88,6 +91,7 @@ class KVSession:
         self.rendered: RenderedPrompt | None = None
         self.next_logits: torch.Tensor | None = None
         self.last_report: RepairReport | None = None
+        self.answer_committed = False  # rendered holds the last answer as a message (no generation prompt)
         self.reforge.reset()
 
     @property
@@ -166,7 +170,7 @@ class KVSession:
             log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
         self.cache, self.token_ids, self.rendered = result.cache, list(new.token_ids), new
         self.next_logits, self.exact_rows = result.next_logits, result.exact_rows
-        self.last_report = report
+        self.last_report, self.answer_committed = report, False
         return report
 
     def _render(self, messages: list[ChatMessage], previous="session") -> tuple[RenderedPrompt, str | None]:
@@ -231,13 +235,19 @@ class KVSession:
 
     # -------------------------------------------------------------- decode
     def generate(
-        self, max_new_tokens: int = 64, *, temperature: float = 0.0, seed: int | None = None
+        self,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        logits_processor: LogitsProcessor | None = None,
     ) -> Generation:
         """Decode an answer from the live cache (greedy unless ``temperature`` > 0).
 
         Stops at an end-of-turn token or after ``max_new_tokens``. The answer's rows stay in the
         cache, so the next turn that includes this answer reuses them. After a ``length`` stop,
-        calling ``generate`` again continues the same answer.
+        calling ``generate`` again continues the same answer. ``logits_processor`` follows the
+        transformers ``LogitsProcessor`` call convention (see :meth:`stream_tokens`).
 
         Raises:
             ValueError: ``max_new_tokens`` < 1.
@@ -245,37 +255,73 @@ class KVSession:
                 with an end-of-turn token (call ``prepare`` with the next messages).
             ContextOverflowError: no room left in the model's context.
         """
+        t0 = time.perf_counter()
+        if self.next_logits is not None:
+            self._sync_adapter()  # the first-token logits below must be the maintained ones
+        first = self.next_logits
+        tokens = self.stream_tokens(max_new_tokens, temperature=temperature, seed=seed,
+                                    logits_processor=logits_processor)
+        out = list(tokens)
+        reason = "length" if self.next_logits is not None else "stop"
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return Generation(text, out, first, reason, (time.perf_counter() - t0) * 1000.0)
+
+    def stream_tokens(
+        self,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        logits_processor: LogitsProcessor | None = None,
+    ) -> Iterator[int]:
+        """Decode from the live cache, yielding each answer token id as soon as it is cached.
+
+        The session is consistent after every yielded token: closing the iterator early leaves
+        the answer so far in the cache with its next-token logits pending (like a ``length``
+        stop). After an end-of-turn token, ``next_logits`` is None.
+
+        Args:
+            logits_processor: called as ``processor(input_ids, scores)`` before each pick, with
+                ``input_ids`` LongTensor ``[1, L]`` (the cached ids, last = the token picked
+                before) and ``scores`` fp32 ``[1, vocab]``; returns the scores to pick from
+                (e.g. ``xgrammar.contrib.hf.LogitsProcessor`` for constrained decoding).
+
+        Raises:
+            ValueError, RuntimeError, ContextOverflowError: as :meth:`generate`, when the
+                iteration starts.
+        """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         if self.next_logits is None:
             raise RuntimeError("call prepare(messages) before generate(): the cache has no pending prompt")
         self._check_fits(len(self.token_ids))
-        t0 = time.perf_counter()
         stop_ids = self._stop_ids()
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
-        adapter = self._sync_adapter()
-        logits = first = self.next_logits  # maintenance may have refreshed them
-        with self.reforge.recording() as captures:
-            out, reason = self._decode(logits, limit, stop_ids, temperature, generator)
-        self.reforge.commit(captures, None, len(self.token_ids), False, adapter)
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        return Generation(text, out, first, reason, (time.perf_counter() - t0) * 1000.0)
-
-    def _decode(self, logits, limit: int, stop_ids: set[int], temperature: float, generator):
-        out, reason = [], "length"
+        adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
         for _ in range(limit):
+            logits = self.next_logits
+            if logits_processor is not None:
+                logits = logits_processor(torch.tensor([self.token_ids]), logits[None].clone())[0]
             token = _pick(logits, temperature, generator)
             if token in stop_ids:
-                reason = "stop"
-                break
-            out.append(token)
-            logits = forward_rows(self.model, self.cache, torch.tensor([token]), len(self.token_ids))
+                self.next_logits = None
+                return
+            self.next_logits = self._forward_tracked(torch.tensor([token]), adapter)
             if self.exact_rows == len(self.token_ids):  # a row computed on an exact cache is exact
                 self.exact_rows += 1
             self.token_ids.append(token)
-        self.next_logits = logits if reason == "length" else None
-        return out, reason
+            yield token
+
+    def _forward_tracked(self, ids: torch.Tensor, adapter) -> torch.Tensor:
+        """Append ``ids`` (LongTensor ``[m]``) to the cache; CacheReforge records the boundary
+        states of the new rows (one recording per forward: a suspended stream must not capture
+        other sessions' forwards on the shared model). Returns the fp32 next-token logits."""
+        start = len(self.token_ids)
+        with self.reforge.recording() as captures:
+            logits = forward_rows(self.model, self.cache, ids, start)
+        self.reforge.commit(captures, None, start + ids.shape[0], False, adapter)
+        return logits
 
     def _sync_adapter(self):
         """CacheReforge: if the LoRA adapter changed since the cache was computed, maintain the
@@ -297,12 +343,44 @@ class KVSession:
             ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         return ids
 
+    def commit_answer(self, answer: Mapping[str, Any]) -> bool:
+        """Hold the answer just generated as a message of its own (e.g. ``{"role": "assistant",
+        "content": text, "id": ...}``): forward the end-of-turn text the chat template writes
+        after it and make it a segment, so a later edit before it Shifts its rows instead of
+        recomputing them as new text.
+
+        Returns:
+            True if committed. False (nothing changed) when the answer has not ended with an
+            end-of-turn token, or its rendering does not start with the cached rows (e.g. the
+            text was cut at a stop sequence): the next ``prepare`` then treats it as new text.
+        """
+        if self.rendered is None or self.next_logits is not None:
+            return False
+        try:
+            messages = normalize_messages(list(self.rendered.messages) + [answer])
+            new = render_prompt(self.tokenizer, messages, tools=self.tools, generation_prompt=False,
+                                previous=self.rendered)
+        except (TemplateError, ValueError):
+            return False
+        n = len(self.token_ids)
+        if len(new) <= n or tuple(self.token_ids) != new.token_ids[:n]:
+            return False
+        self._forward_tracked(torch.tensor(new.token_ids[n:]), self._sync_adapter())
+        if self.exact_rows == n:
+            self.exact_rows = len(new)
+        self.token_ids, self.rendered, self.answer_committed = list(new.token_ids), new, True
+        return True
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless the cached ids equal the tokenization of the held messages
         (followed by generated tokens) and the cache has one row per id."""
         assert kvcache.cache_length(self.cache) == len(self.token_ids), "cache rows != token ids"
         if self.rendered is not None:
-            fresh, _ = self._render(list(self.rendered.messages), previous=None)
+            if self.answer_committed:
+                fresh = render_prompt(self.tokenizer, list(self.rendered.messages), tools=self.tools,
+                                      generation_prompt=False)
+            else:
+                fresh, _ = self._render(list(self.rendered.messages), previous=None)
             n = len(fresh.token_ids)
             assert tuple(self.token_ids[:n]) == fresh.token_ids, "cached ids differ from the messages' tokenization"
 

@@ -1,0 +1,425 @@
+"""A LangGraph checkpointer that also keeps each thread's live KV cache across process restarts.
+
+``KVCheckpointSaver`` wraps any LangGraph saver (by default the SQLite savers of
+``langgraph-checkpoint-sqlite``) and adds one thing: whenever a checkpoint of a thread is stored,
+the thread's live cache (token ids, per-layer K/V, the messages it holds) is written out of line
+as a safetensors blob in a content-addressed store next to the database, and the blob's sha256
+and size go into the checkpoint's metadata under ``"kvmemory_cache"``.
+
+The link to the chat model is its thread registry (:class:`kvmemory.threads.ThreadCaches`):
+
+- ``put`` / ``aput`` export the thread's cache state from the registry (skipped when nothing
+  changed since the last put of that thread, so tool steps cost no K/V write);
+- ``get_tuple`` / ``aget_tuple`` (LangGraph reads the thread's latest checkpoint at the start of
+  every run) import the newest stored blob into the registry when the thread is not live in this
+  process, so the next turn resumes from it (``cache_read`` > 0, no Re-prefill).
+
+A missing, truncated or mismatching blob, or one computed by another model, is detected (size,
+sha256, layout checks), logged with its reason and recorded in :attr:`restore_failures`; the
+thread then simply re-prefills from the checkpointed messages. Checkpoints themselves are
+always stored and read by the wrapped saver unchanged: a blob problem never loses a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (
+    BaseCheckpointSaver,
+    ChannelVersions,
+    Checkpoint,
+    CheckpointMetadata,
+    CheckpointTuple,
+)
+
+from kvmemory.threads import CacheState, CacheStateError, ThreadCaches
+
+from .blobs import BlobError, BlobRef, BlobStore
+
+log = logging.getLogger(__name__)
+
+CACHE_KEY = "kvmemory_cache"  # checkpoint metadata key holding {"sha256", "size", "tokens"}
+BLOB_DIR_SUFFIX = ".kvcache"  # <database file>.kvcache/ holds the blobs
+
+
+def registry_of(holder: Any) -> ThreadCaches:
+    """The thread registry of ``holder``: a ThreadCaches, or an object (such as the chat model)
+    exposing one as ``.threads`` or ``.caches``.
+
+    Raises:
+        TypeError: ``holder`` has no thread registry.
+    """
+    if isinstance(holder, ThreadCaches):
+        return holder
+    for name in ("threads", "caches"):
+        found = getattr(holder, name, None)
+        if isinstance(found, ThreadCaches):
+            return found
+    raise TypeError(
+        f"{type(holder).__name__} has no kvmemory thread registry: pass the chat model (ChatKVMemory) "
+        "or its ThreadCaches as caches="
+    )
+
+
+def _thread_and_ns(config: RunnableConfig) -> tuple[str | None, str]:
+    conf = (config or {}).get("configurable", {})
+    tid = conf.get("thread_id")
+    return (None if tid is None else str(tid)), conf.get("checkpoint_ns", "")
+
+
+class KVCheckpointSaver(BaseCheckpointSaver):
+    """Wraps ``saver`` and persists each thread's live KV cache beside its checkpoints.
+
+    Args:
+        saver: any LangGraph checkpoint saver; all checkpoint storage is delegated to it.
+        caches: the chat model (or its :class:`ThreadCaches`) whose live caches are persisted;
+            None stores checkpoints only (a plain pass-through).
+        blob_dir: folder of the blob store; default ``<database>.kvcache`` next to the file of a
+            ``SqliteSaver`` (required for other savers and in-memory databases).
+        search_depth: how many older checkpoints of a thread to look through for the newest
+            blob reference when the requested checkpoint has none.
+
+    Raises:
+        ValueError: no ``blob_dir`` and none can be derived from ``saver``.
+        TypeError: ``caches`` has no thread registry.
+    """
+
+    def __init__(
+        self,
+        saver: BaseCheckpointSaver,
+        caches: Any = None,
+        *,
+        blob_dir: str | Path | None = None,
+        search_depth: int = 8,
+    ):
+        super().__init__(serde=saver.serde)
+        self.saver = saver
+        self.threads = registry_of(caches) if caches is not None else None
+        self.store = BlobStore(blob_dir if blob_dir is not None else _default_blob_dir(saver))
+        self.search_depth = search_depth
+        self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
+        self._stored: dict[str, tuple[tuple, BlobRef]] = {}  # thread id -> (state fingerprint, blob)
+        self._rejected: set[tuple[str, str]] = set()  # (thread id, sha256) found unusable: not retried
+
+    # ------------------------------------------------------------ builders
+    @classmethod
+    @contextmanager
+    def from_sqlite(cls, path: str | Path, caches: Any = None, **kwargs) -> Iterator["KVCheckpointSaver"]:
+        """A saver over ``SqliteSaver`` on the database file ``path`` (blobs in ``<path>.kvcache``);
+        the connection closes when the context ends.
+
+        Raises:
+            ValueError: ``path`` is ``":memory:"`` and no ``blob_dir`` is given.
+        """
+        from langgraph.checkpoint.sqlite import SqliteSaver
+
+        kwargs.setdefault("blob_dir", _blob_dir_for(path))
+        with SqliteSaver.from_conn_string(str(path)) as saver:
+            yield cls(saver, caches, **kwargs)
+
+    @classmethod
+    @asynccontextmanager
+    async def afrom_sqlite(cls, path: str | Path, caches: Any = None, **kwargs) -> AsyncIterator["KVCheckpointSaver"]:
+        """Like :meth:`from_sqlite`, over ``AsyncSqliteSaver`` (for ``ainvoke`` / ``astream``)."""
+        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+        kwargs.setdefault("blob_dir", _blob_dir_for(path))
+        async with AsyncSqliteSaver.from_conn_string(str(path)) as saver:
+            yield cls(saver, caches, **kwargs)
+
+    # ------------------------------------------------ delegated basics
+    @property
+    def config_specs(self) -> list:
+        return self.saver.config_specs
+
+    def get_next_version(self, current, channel=None):
+        return self.saver.get_next_version(current, channel)
+
+    def with_allowlist(self, extra_allowlist):
+        inner = self.saver.with_allowlist(extra_allowlist)
+        if inner is self.saver:
+            return self
+        clone = KVCheckpointSaver.__new__(KVCheckpointSaver)
+        clone.__dict__.update(self.__dict__)  # shares the store, registry and bookkeeping
+        clone.saver, clone.serde = inner, inner.serde
+        return clone
+
+    def get_delta_channel_history(self, *, config, channels):
+        return self.saver.get_delta_channel_history(config=config, channels=channels)
+
+    async def aget_delta_channel_history(self, *, config, channels):
+        return await self.saver.aget_delta_channel_history(config=config, channels=channels)
+
+    # ------------------------------------------------------------- sync API
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """The wrapped saver's tuple; restores the thread's stored cache if it is not live."""
+        tup = self.saver.get_tuple(config)
+        if tup is not None and self._wants_restore(tup):
+            ref = self._newest_ref(tup, self._older_sync(tup))
+            if ref is not None:
+                self._restore(_thread_and_ns(tup.config)[0], ref)
+        return tup
+
+    def list(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> Iterator[CheckpointTuple]:
+        """The wrapped saver's checkpoints (metadata includes ``kvmemory_cache`` where stored)."""
+        return self.saver.list(config, filter=filter, before=before, limit=limit)
+
+    def put(
+        self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
+    ) -> RunnableConfig:
+        """Store the thread's live cache as a blob, then the checkpoint (metadata names the blob)."""
+        return self.saver.put(config, checkpoint, self._with_cache_ref(config, metadata), new_versions)
+
+    def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
+        """Delegated unchanged (pending writes hold no cache state)."""
+        return self.saver.put_writes(config, writes, task_id, task_path)
+
+    def delete_thread(self, thread_id: str) -> None:
+        """Delete the thread's checkpoints and forget its live cache (blobs: see collect_garbage)."""
+        self.saver.delete_thread(thread_id)
+        self._forget(thread_id)
+
+    # ------------------------------------------------------------ async API
+    async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        """Async :meth:`get_tuple` (blob reading and import run in a worker thread)."""
+        tup = await self.saver.aget_tuple(config)
+        if tup is not None and self._wants_restore(tup):
+            older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
+            ref = self._newest_ref(tup, older)
+            if ref is not None:
+                await asyncio.to_thread(self._restore, _thread_and_ns(tup.config)[0], ref)
+        return tup
+
+    async def alist(
+        self,
+        config: RunnableConfig | None,
+        *,
+        filter: dict[str, Any] | None = None,
+        before: RunnableConfig | None = None,
+        limit: int | None = None,
+    ) -> AsyncIterator[CheckpointTuple]:
+        """Async :meth:`list`."""
+        async for tup in self.saver.alist(config, filter=filter, before=before, limit=limit):
+            yield tup
+
+    async def aput(
+        self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
+    ) -> RunnableConfig:
+        """Async :meth:`put` (serialising and writing the blob run in a worker thread)."""
+        if self._has_live_thread(config):  # serialising K/V is blocking file work: off the event loop
+            metadata = await asyncio.to_thread(self._with_cache_ref, config, metadata)
+        return await self.saver.aput(config, checkpoint, metadata, new_versions)
+
+    async def aput_writes(
+        self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
+    ) -> None:
+        """Async :meth:`put_writes`."""
+        return await self.saver.aput_writes(config, writes, task_id, task_path)
+
+    async def adelete_thread(self, thread_id: str) -> None:
+        """Async :meth:`delete_thread`."""
+        await self.saver.adelete_thread(thread_id)
+        self._forget(thread_id)
+
+    # --------------------------------------------------------- copy_thread
+    def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Copy all checkpoints and pending writes of a thread (blob references included: the
+        copy shares the content-addressed blobs and restores from them on first use). Uses the
+        wrapped saver's own ``copy_thread`` when it has one, else its public put/list methods."""
+        if _overrides(self.saver, "copy_thread"):
+            return self.saver.copy_thread(source_thread_id, target_thread_id)
+        tuples = list(self.saver.list({"configurable": {"thread_id": str(source_thread_id)}}))
+        for tup in reversed(tuples):  # oldest first, so parents exist before their children
+            config, writes = _copied(tup, str(target_thread_id))
+            stored = self.saver.put(config, tup.checkpoint, tup.metadata, tup.checkpoint["channel_versions"])
+            for task_id, task_writes in writes:
+                self.saver.put_writes(stored, task_writes, task_id)
+
+    async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
+        """Async :meth:`copy_thread`."""
+        if _overrides(self.saver, "acopy_thread"):
+            return await self.saver.acopy_thread(source_thread_id, target_thread_id)
+        tuples = [t async for t in self.saver.alist({"configurable": {"thread_id": str(source_thread_id)}})]
+        for tup in reversed(tuples):
+            config, writes = _copied(tup, str(target_thread_id))
+            stored = await self.saver.aput(config, tup.checkpoint, tup.metadata, tup.checkpoint["channel_versions"])
+            for task_id, task_writes in writes:
+                await self.saver.aput_writes(stored, task_writes, task_id)
+
+    # ----------------------------------------------------- blob housekeeping
+    def collect_garbage(self, *, grace_s: float = 300.0) -> list[str]:
+        """Delete blobs no stored checkpoint references (older than ``grace_s`` seconds).
+
+        Reads every checkpoint's metadata through the wrapped saver. Returns the deleted sha256s.
+        """
+        keep = {_ref_of(t.metadata).sha256 for t in self.saver.list(None) if _ref_of(t.metadata)}
+        return self.store.collect_garbage(keep, grace_s=grace_s)
+
+    async def acollect_garbage(self, *, grace_s: float = 300.0) -> list[str]:
+        """Async :meth:`collect_garbage`."""
+        keep = {_ref_of(t.metadata).sha256 async for t in self.saver.alist(None) if _ref_of(t.metadata)}
+        return await asyncio.to_thread(self.store.collect_garbage, keep, grace_s=grace_s)
+
+    # ------------------------------------------------------------ storing
+    def _has_live_thread(self, config: RunnableConfig) -> bool:
+        tid, ns = _thread_and_ns(config)
+        return self.threads is not None and tid is not None and ns == "" and tid in self.threads
+
+    def _with_cache_ref(self, config: RunnableConfig, metadata: CheckpointMetadata) -> CheckpointMetadata:
+        """``metadata`` plus the reference of the thread's stored cache (root namespace only:
+        subgraph checkpoints share the thread's one cache)."""
+        if not self._has_live_thread(config):
+            return metadata
+        tid = _thread_and_ns(config)[0]
+        try:
+            stored = self._store_thread(tid)
+        except (OSError, CacheStateError) as exc:  # the checkpoint matters more than the cache: store it anyway
+            log.warning("kvmemory: thread %r: live cache not persisted (%s); a restart will re-prefill", tid, exc)
+            return metadata
+        if stored is None:
+            return metadata
+        ref, tokens = stored
+        return {**metadata, CACHE_KEY: {**ref.to_dict(), "tokens": tokens}}
+
+    def _store_thread(self, tid: str) -> tuple[BlobRef, int] | None:
+        session = self.threads.session(tid)
+        if not session.token_ids:
+            return None  # nothing cached yet (e.g. the input checkpoint of a new thread)
+        fingerprint = _fingerprint(session)
+        last = self._stored.get(tid)
+        if last is not None and last[0] == fingerprint and self.store.path(last[1].sha256).is_file():
+            return last[1], fingerprint[1]  # unchanged since the last put (e.g. a tool step)
+        state = self.threads.export_state(tid)
+        if state is None or not state.token_ids:
+            return None
+        ref = self.store.put(state.tensors(), state.metadata())
+        self._stored[tid] = (fingerprint, ref)
+        return ref, len(state.token_ids)
+
+    def _forget(self, thread_id: str) -> None:
+        tid = str(thread_id)
+        self._stored.pop(tid, None)
+        self.restore_failures.pop(tid, None)
+        if self.threads is not None:
+            self.threads.drop(tid)
+
+    # ----------------------------------------------------------- restoring
+    def _wants_restore(self, tup: CheckpointTuple) -> bool:
+        tid, ns = _thread_and_ns(tup.config)
+        return self.threads is not None and tid is not None and ns == "" and tid not in self.threads
+
+    def _older_sync(self, tup: CheckpointTuple) -> list[CheckpointTuple]:
+        if CACHE_KEY in (tup.metadata or {}):
+            return []
+        return list(self.saver.list(_thread_config(tup), before=tup.config, limit=self.search_depth))
+
+    def _older_async(self, tup: CheckpointTuple):
+        return self.saver.alist(_thread_config(tup), before=tup.config, limit=self.search_depth)
+
+    def _newest_ref(self, tup: CheckpointTuple, older: list[CheckpointTuple]) -> BlobRef | None:
+        tid = _thread_and_ns(tup.config)[0]
+        for candidate in [tup, *older]:
+            raw = (candidate.metadata or {}).get(CACHE_KEY)
+            if raw is None:
+                continue
+            try:
+                ref = BlobRef.from_dict(raw)
+            except BlobError as exc:
+                self._reject(tid, "unreadable", str(exc))
+                return None
+            return None if (tid, ref.sha256) in self._rejected else ref
+        return None
+
+    def _restore(self, tid: str, ref: BlobRef) -> bool:
+        """Import the blob into the registry; on any problem log why and leave the thread cold."""
+        try:
+            tensors, metadata = self.store.get(ref)
+            state = CacheState.from_parts(tensors, metadata)
+            self.threads.import_state(tid, state)
+        except BlobError as exc:
+            self._reject(tid, exc.reason, str(exc), ref)
+            return False
+        except CacheStateError as exc:
+            self._reject(tid, "incompatible", str(exc), ref)
+            return False
+        self.restore_failures.pop(tid, None)
+        self._stored[tid] = (_fingerprint(self.threads.session(tid)), ref)
+        log.info("kvmemory: thread %r resumes from its stored cache (%d tokens, blob %s)",
+                 tid, len(state.token_ids), ref.sha256[:12])
+        return True
+
+    def _reject(self, tid: str, reason: str, detail: str, ref: BlobRef | None = None) -> None:
+        if ref is not None:
+            self._rejected.add((tid, ref.sha256))
+        self.restore_failures[tid] = f"{reason}: {detail}"
+        log.warning("kvmemory: thread %r: stored cache not used (%s: %s); its next turn re-prefills from the "
+                    "checkpointed messages", tid, reason, detail)
+
+
+def _fingerprint(session) -> tuple:
+    """Changes whenever the session's cache changes: a repair or prefill builds a new rendering,
+    decoding adds token ids, an import replaces the cache object."""
+    return (id(session.cache), len(session.token_ids), session.exact_rows, id(session.rendered),
+            session.next_logits is None)
+
+
+def _ref_of(metadata) -> BlobRef | None:
+    raw = (metadata or {}).get(CACHE_KEY)
+    try:
+        return BlobRef.from_dict(raw) if raw is not None else None
+    except BlobError:
+        return None
+
+
+def _overrides(saver: BaseCheckpointSaver, method: str) -> bool:
+    return getattr(type(saver), method) is not getattr(BaseCheckpointSaver, method)
+
+
+def _copied(tup: CheckpointTuple, target: str) -> tuple[RunnableConfig, list[tuple[str, list]]]:
+    """The put config of ``tup`` in thread ``target`` (same namespace and parent) and its pending
+    writes grouped by task, in their stored order."""
+    ns = _thread_and_ns(tup.config)[1]
+    parent = (tup.parent_config or {}).get("configurable", {}).get("checkpoint_id")
+    config = {"configurable": {"thread_id": target, "checkpoint_ns": ns, **({"checkpoint_id": parent} if parent else {})}}
+    grouped: dict[str, list] = {}
+    for task_id, channel, value in tup.pending_writes or []:
+        grouped.setdefault(task_id, []).append((channel, value))
+    return config, list(grouped.items())
+
+
+def _thread_config(tup: CheckpointTuple) -> RunnableConfig:
+    tid, ns = _thread_and_ns(tup.config)
+    return {"configurable": {"thread_id": tid, "checkpoint_ns": ns}}
+
+
+def _blob_dir_for(path: str | Path) -> Path:
+    if str(path) == ":memory:" or str(path).startswith("file::memory:"):
+        raise ValueError("an in-memory SQLite database has no folder for cache blobs: pass blob_dir=...")
+    path = Path(path)
+    return path.with_name(path.name + BLOB_DIR_SUFFIX)
+
+
+def _default_blob_dir(saver: BaseCheckpointSaver) -> Path:
+    conn = getattr(saver, "conn", None)
+    if isinstance(conn, sqlite3.Connection):
+        rows = conn.execute("PRAGMA database_list").fetchall()
+        main = next((file for _, name, file in rows if name == "main"), "")
+        if main:
+            return _blob_dir_for(main)
+    raise ValueError(
+        f"cannot place cache blobs next to the database of {type(saver).__name__}: pass blob_dir=... "
+        "(or build the saver with KVCheckpointSaver.from_sqlite / afrom_sqlite)"
+    )

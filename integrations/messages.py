@@ -1,0 +1,107 @@
+"""LangChain messages -> kvmemory message dicts (role, content, id), tools folded in when the
+chat template cannot render them.
+
+Message ids are kept, so an edited message (same id, new content: a cleared tool output, a
+summary) reaches the session as a replacement in the middle and is repaired, not re-prefilled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
+
+from .tool_calls import DEFAULT_SYSTEM, format_call, schema_block, tools_block
+
+TOOLS_SYSTEM_ID = "kvmemory:tools-system"
+
+
+class UnsupportedContentError(ValueError):
+    """A message holds content the text-only model cannot read (image, audio, file ...)."""
+
+
+def text_of(message: BaseMessage) -> str:
+    """The message's text. List content keeps its text blocks (tool-use blocks are carried by
+    ``tool_calls``); any image/audio/file block raises UnsupportedContentError."""
+    content = message.content
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif block.get("type") == "text":
+            parts.append(block.get("text", ""))
+        elif block.get("type") in ("tool_use", "tool_call", "function_call", "reasoning", "thinking"):
+            continue  # carried elsewhere (tool_calls) or not part of the prompt
+        else:
+            raise UnsupportedContentError(
+                f"a {type(message).__name__} holds a {block.get('type')!r} block: the model reads text only; "
+                "pass text content (describe or transcribe other media first)"
+            )
+    return "".join(parts)
+
+
+def to_session_messages(
+    messages: Sequence[BaseMessage], tools: list[dict[str, Any]] | None, template_tools: bool,
+    schema: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Convert a LangChain history for ``KVSession.prepare``.
+
+    Args:
+        messages: system / human / AI / tool messages (any order the agent produced).
+        tools: OpenAI-format tools bound to this call, or None.
+        template_tools: the chat template renders ``tools`` itself (then tool calls travel as
+            ``tool_calls`` fields); otherwise the tool list is appended to the (first) system
+            message and tool calls are written into the assistant content.
+        schema: JSON schema the answer must follow (structured output); described in the
+            system message so the model knows what the grammar will hold it to.
+
+    Raises:
+        UnsupportedContentError: non-text content. ValueError: an unknown message type.
+    """
+    out = [_convert(m, template_tools) for m in messages]
+    blocks = ([tools_block(tools)] if tools and not template_tools else []) + ([schema_block(schema)] if schema else [])
+    if blocks:
+        block = "\n\n".join(blocks)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
+        else:
+            out.insert(0, {"role": "system", "content": DEFAULT_SYSTEM + "\n\n" + block, "id": TOOLS_SYSTEM_ID})
+    return out
+
+
+def session_message(message: BaseMessage, template_tools: bool) -> dict[str, Any]:
+    """One LangChain message as a kvmemory message dict (see :func:`to_session_messages`)."""
+    return _convert(message, template_tools)
+
+
+def _convert(message: BaseMessage, template_tools: bool) -> dict[str, Any]:
+    text = text_of(message)
+    if isinstance(message, SystemMessage):
+        out: dict[str, Any] = {"role": "system", "content": text}
+    elif isinstance(message, HumanMessage):
+        out = {"role": "user", "content": text}
+    elif isinstance(message, AIMessage):
+        out = _assistant(message, text, template_tools)
+    elif isinstance(message, ToolMessage):
+        out = {"role": "tool", "content": text}
+        if template_tools:
+            out["tool_call_id"] = message.tool_call_id
+    else:
+        raise ValueError(f"unsupported message type {type(message).__name__}: use System/Human/AI/Tool messages")
+    if message.id:
+        out["id"] = message.id
+    return out
+
+
+def _assistant(message: AIMessage, text: str, template_tools: bool) -> dict[str, Any]:
+    calls = message.tool_calls
+    if not calls:
+        return {"role": "assistant", "content": text}
+    if template_tools:
+        return {"role": "assistant", "content": text, "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+            for c in calls]}
+    written = [format_call(c["name"], c["args"]) for c in calls]
+    return {"role": "assistant", "content": "\n".join(([text] if text else []) + written)}

@@ -1,0 +1,101 @@
+"""How tools reach the prompt and how tool calls come back out of the model's text.
+
+Models whose chat template renders ``tools`` get them through the template. Templates that ignore
+tools (ChatML, as in the embedded SmolLM2) get a tools block appended to the system message, and
+an assistant turn's tool calls are written into its content in the same ``<tool_call>`` format
+the model is asked (and, with constrained decoding, forced) to produce::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"location": "Paris"}}
+    </tool_call>
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
+DEFAULT_SYSTEM = "You are a helpful assistant."
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template uses a ``tools`` variable (else kvmemory folds the
+    tool list into the system message)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return "tools" in template
+
+
+def tools_block(tools: list[dict[str, Any]]) -> str:
+    """The tools section appended to the system message for templates without tool support.
+
+    Args:
+        tools: OpenAI-format tools ``{"type": "function", "function": {name, description, parameters}}``.
+    """
+    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return (
+        "You can call these tools:\n<tools>\n" + listing + "\n</tools>\n"
+        "To call a tool, reply with only:\n" + CALL_OPEN + '\n{"name": <tool name>, "arguments": '
+        "<arguments as a JSON object>}\n" + CALL_CLOSE + "\nOtherwise answer normally."
+    )
+
+
+def schema_block(schema: dict[str, Any]) -> str:
+    """The instruction appended to the system message when the answer must be JSON for ``schema``."""
+    return "Answer with only a JSON object that follows this JSON schema:\n" + json.dumps(schema, ensure_ascii=False)
+
+
+def format_call(name: str, arguments: dict[str, Any]) -> str:
+    """One tool call as the model writes it (the text an assistant turn holds for it)."""
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
+def split_calls(text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split generated text into (content, tool_calls, invalid_tool_calls).
+
+    ``content`` is the text outside ``<tool_call>`` blocks (stripped). Each valid call is
+    ``{"name", "args", "id", "type": "tool_call"}`` with a fresh non-empty id; a block that does
+    not parse as ``{"name": str, "arguments": object}`` becomes an invalid tool call (with the
+    raw text and the error), never silently dropped. An unterminated block (decoding stopped at
+    ``max_tokens``) is invalid too.
+    """
+    calls, invalid = [], []
+    for match in _CALL_RE.finditer(text):
+        _parse_block(match.group(1), calls, invalid)
+    content = _CALL_RE.sub("", text)
+    open_at = content.find(CALL_OPEN)
+    if open_at >= 0:  # an unterminated call
+        invalid.append(_invalid(None, content[open_at + len(CALL_OPEN):].strip(), "tool call not terminated "
+                                "(decoding stopped, e.g. at max_tokens): raise max_tokens"))
+        content = content[:open_at]
+    return content.strip(), calls, invalid
+
+
+def _parse_block(raw: str, calls: list, invalid: list) -> None:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        invalid.append(_invalid(None, raw, f"not JSON: {exc}"))
+        return
+    name = obj.get("name") if isinstance(obj, dict) else None
+    args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+    if not isinstance(name, str) or not isinstance(args, dict):
+        invalid.append(_invalid(name if isinstance(name, str) else None, raw,
+                                'expected {"name": <string>, "arguments": <object>}'))
+        return
+    calls.append({"name": name, "args": args, "id": new_call_id(), "type": "tool_call"})
+
+
+def _invalid(name: str | None, raw: str, error: str) -> dict[str, Any]:
+    return {"name": name, "args": raw, "id": new_call_id(), "error": error, "type": "invalid_tool_call"}
+
+
+def new_call_id() -> str:
+    """A fresh tool-call id (``call_`` + 24 hex digits)."""
+    return "call_" + uuid.uuid4().hex[:24]

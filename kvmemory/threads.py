@@ -1,0 +1,365 @@
+"""Live caches of many conversation threads: a registry of ``KVSession`` keyed by thread id,
+held under a memory budget in bytes with least-recently-used eviction, plus the export / import
+of one thread's cache state (for checkpointers that persist it, e.g. as safetensors).
+
+Threads never share K/V tensors: every thread owns its ``DynamicCache``; only the model and the
+tokenizer are shared, so one thread's repair cannot touch another thread's rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import kvcache
+from .policy import RepairPolicy
+from .prompt import TemplateError, normalize_messages, render_prompt
+from .session import KVSession
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = "kvmemory.thread-state/1"
+
+
+class CacheStateError(ValueError):
+    """A stored cache state cannot be restored onto this model (shapes, ids or format differ).
+    Callers fall back to Re-prefill: the next ``prepare`` rebuilds the cache from the messages."""
+
+
+@dataclass
+class CacheState:
+    """Everything one thread's live cache holds, detached from the model.
+
+    Attributes:
+        token_ids: the N cached token ids (prompt of ``messages`` + tokens generated since).
+        messages: the messages the cache holds, as ``{"role", "content", "id", ...extra}``
+            dicts (``id`` is the session's key, so anonymous messages keep matching).
+        tools: the tool schemas the prompt was rendered with (JSON-able), or None.
+        exact_rows: leading rows equal to a Re-prefill; later rows are stale (after Shift/SUR).
+        layers: per layer ``(keys, values)``, each ``[1, kv_heads, N, head_dim]``.
+        next_logits: fp32 ``[vocab]`` logits of the pending next token, or None when the last
+            answer ended (a new ``prepare`` is due).
+        model_name: free text naming the model the rows came from (checked on import).
+        answer_committed: the last message is an answer held as a message (rendered without a
+            generation prompt, see ``KVSession.commit_answer``).
+    """
+
+    token_ids: list[int]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    exact_rows: int
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    next_logits: torch.Tensor | None = None
+    model_name: str = ""
+    answer_committed: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V held (what a persisted copy of the rows costs)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat ``{name: tensor}`` for ``safetensors.torch.save_file``: ``layers.{i}.keys``,
+        ``layers.{i}.values`` ``[1, kv_heads, N, head_dim]``, ``token_ids`` int64 ``[N]`` and
+        ``next_logits`` ``[vocab]`` when pending. Tensors are made contiguous (not copied otherwise)."""
+        out = {"token_ids": torch.tensor(self.token_ids, dtype=torch.long)}
+        for i, (k, v) in enumerate(self.layers):
+            out[f"layers.{i}.keys"] = k.contiguous()
+            out[f"layers.{i}.values"] = v.contiguous()
+        if self.next_logits is not None:
+            out["next_logits"] = self.next_logits.contiguous()
+        return out
+
+    def metadata(self) -> dict[str, str]:
+        """String metadata for a safetensors header (messages, tools, exact_rows, format)."""
+        return {
+            "format": STATE_FORMAT,
+            "messages": json.dumps(self.messages, default=str),
+            "tools": json.dumps(self.tools, default=str),
+            "exact_rows": str(self.exact_rows),
+            "model_name": self.model_name,
+            "answer_committed": "1" if self.answer_committed else "0",
+        }
+
+    @classmethod
+    def from_parts(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> "CacheState":
+        """Inverse of :meth:`tensors` + :meth:`metadata`.
+
+        Raises:
+            CacheStateError: unknown format, missing tensors, or inconsistent row counts.
+        """
+        if metadata.get("format") != STATE_FORMAT:
+            raise CacheStateError(f"not a kvmemory thread state (format {metadata.get('format')!r}, "
+                                  f"expected {STATE_FORMAT!r})")
+        try:
+            token_ids = tensors["token_ids"].tolist()
+            n_layers = len([k for k in tensors if k.endswith(".keys")])
+            layers = [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"]) for i in range(n_layers)]
+            state = cls(
+                token_ids=token_ids,
+                messages=json.loads(metadata["messages"]),
+                tools=json.loads(metadata["tools"]),
+                exact_rows=int(metadata["exact_rows"]),
+                layers=layers,
+                next_logits=tensors.get("next_logits"),
+                model_name=metadata.get("model_name", ""),
+                answer_committed=metadata.get("answer_committed") == "1",
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CacheStateError(f"incomplete thread state ({exc!r}): re-prefill from the messages") from exc
+        for k, v in state.layers:
+            if k.shape[2] != len(token_ids) or v.shape[2] != len(token_ids):
+                raise CacheStateError(f"a layer holds {k.shape[2]} rows for {len(token_ids)} token ids")
+        return state
+
+
+def export_state(session: KVSession, model_name: str = "") -> CacheState:
+    """Detached copy of ``session``'s cache state (K/V cloned: later repairs never alter it).
+
+    Raises:
+        CacheStateError: the session holds no rows yet (nothing to export).
+    """
+    if not session.token_ids:
+        raise CacheStateError("the session holds no cache rows yet: nothing to export")
+    held = [{"role": m.role, "content": m.content, "id": m.key, **m.extra} for m in session.messages]
+    return CacheState(
+        token_ids=list(session.token_ids),
+        messages=held,
+        tools=session.tools,
+        exact_rows=session.exact_rows,
+        layers=[(k.clone(), v.clone()) for k, v in kvcache.layer_tensors(session.cache)],
+        next_logits=None if session.next_logits is None else session.next_logits.clone(),
+        model_name=model_name,
+        answer_committed=session.answer_committed,
+    )
+
+
+def import_state(session: KVSession, state: CacheState) -> None:
+    """Load ``state`` into ``session`` (replacing what it held); the next ``prepare`` reuses it.
+
+    The messages are re-rendered with the session's tokenizer and their tokenization must be
+    the prefix of ``state.token_ids``, so a state can never claim rows for other text.
+
+    Raises:
+        CacheStateError: layer count, K/V shapes or dtype differ from the model's cache layout,
+            or the token ids are not the rendering of the stored messages. The session is
+            unchanged then.
+    """
+    _check_layout(session, state)
+    rendered = None
+    if state.messages:
+        try:
+            messages = normalize_messages(state.messages)
+            rendered = render_prompt(session.tokenizer, messages, tools=state.tools,
+                                     generation_prompt=not state.answer_committed)
+        except (TemplateError, ValueError) as exc:
+            raise CacheStateError(f"stored messages do not render ({exc})") from exc
+        if tuple(state.token_ids[: len(rendered)]) != rendered.token_ids:
+            raise CacheStateError("stored token ids are not the tokenization of the stored messages "
+                                  "(different tokenizer or chat template?): re-prefill from the messages")
+    device = next(session.model.parameters()).device
+    session.reset()
+    session.tools = state.tools
+    session.cache = kvcache.from_tensors([(k.to(device), v.to(device)) for k, v in state.layers])
+    session.token_ids = list(state.token_ids)
+    session.exact_rows = min(state.exact_rows, len(state.token_ids))
+    session.rendered = rendered
+    session.next_logits = None if state.next_logits is None else state.next_logits.to(device)
+    session.answer_committed = state.answer_committed
+
+
+def _check_layout(session: KVSession, state: CacheState) -> None:
+    expected = kvcache.new_cache(session.model.config)
+    text = session.model.config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dtype = next(session.model.parameters()).dtype
+    if len(state.layers) != len(expected.layers):
+        raise CacheStateError(f"state has {len(state.layers)} layers, the model {len(expected.layers)}")
+    for i, (k, v) in enumerate(state.layers):
+        for name, t in (("keys", k), ("values", v)):
+            if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != kv_heads or t.shape[3] != head_dim:
+                raise CacheStateError(f"layer {i} {name} have shape {tuple(t.shape)}, expected "
+                                      f"[1, {kv_heads}, N, {head_dim}]")
+            if t.dtype != dtype:
+                raise CacheStateError(f"layer {i} {name} are {t.dtype}, the model runs in {dtype}")
+
+
+@dataclass
+class _Entry:
+    session: KVSession
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ThreadCaches:
+    """Live caches of many threads under one memory budget.
+
+    Each thread id maps to its own :class:`KVSession` (created on first use). After every use the
+    registry evicts least-recently-used idle threads until the K/V bytes of all threads fit in
+    ``memory_budget_bytes``; an evicted thread simply re-prefills on its next turn (its messages
+    live with the caller, e.g. in a LangGraph checkpoint). A thread larger than the whole budget
+    is evicted too, after its call, and the reason is logged.
+
+    Args:
+        model, tokenizer: shared by all threads.
+        policy: repair policy of new sessions (RepairPolicy or label such as ``"sur@5"``).
+        memory_budget_bytes: cap on the K/V bytes of all live threads (None: unlimited).
+        on_evict: called as ``on_evict(thread_id, session)`` before a thread is dropped (for
+            example to persist its state first).
+        model_name: recorded in exported states.
+
+    Raises:
+        ValueError: ``memory_budget_bytes`` < 0.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        policy: RepairPolicy | str | None = None,
+        *,
+        memory_budget_bytes: int | None = None,
+        on_evict: Callable[[str, KVSession], None] | None = None,
+        model_name: str = "",
+    ):
+        if memory_budget_bytes is not None and memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0 or None for no limit (got {memory_budget_bytes})")
+        self.model, self.tokenizer = model, tokenizer
+        self.policy = policy
+        self.memory_budget_bytes = memory_budget_bytes
+        self.on_evict = on_evict
+        self.model_name = model_name
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first
+        self._lock = threading.Lock()  # guards the dict, never held while the model runs
+        self.evictions = 0
+
+    # -------------------------------------------------------------- access
+    def _entry(self, thread_id: str) -> _Entry:
+        thread_id = _check_id(thread_id)
+        with self._lock:
+            entry = self._entries.get(thread_id)
+            if entry is None:
+                entry = _Entry(KVSession(self.model, self.tokenizer, self.policy))
+                self._entries[thread_id] = entry
+            self._entries.move_to_end(thread_id)
+            return entry
+
+    @contextmanager
+    def lease(self, thread_id: str) -> Iterator[KVSession]:
+        """Exclusive use of a thread's session (created on first use) for one model call.
+
+        Calls on the same thread wait for each other; calls on different threads run freely.
+        The budget is enforced when the lease ends. The lock is a plain ``threading.Lock``, so a
+        streaming generator may end the lease from another worker thread.
+        """
+        while True:
+            entry = self._entry(thread_id)
+            entry.lock.acquire()
+            if self._entries.get(str(thread_id)) is entry:
+                break
+            entry.lock.release()  # evicted while we waited for it: take a fresh session
+        thread_id = str(thread_id)
+        try:
+            yield entry.session
+        finally:
+            entry.lock.release()
+            with self._lock:
+                if self._entries.get(thread_id) is entry:
+                    self._entries.move_to_end(thread_id)
+            self.enforce_budget()
+
+    def session(self, thread_id: str) -> KVSession:
+        """The thread's session without a lease (for inspection; not for concurrent calls)."""
+        return self._entry(thread_id).session
+
+    def __contains__(self, thread_id: object) -> bool:
+        return str(thread_id) in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def thread_ids(self) -> list[str]:
+        """Live thread ids, least recently used first."""
+        return list(self._entries)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of K/V held by all live threads."""
+        return sum(e.session.memory_bytes for e in list(self._entries.values()))
+
+    # ------------------------------------------------------------ eviction
+    def enforce_budget(self) -> list[str]:
+        """Evict least-recently-used idle threads until all K/V fits the budget.
+
+        Returns:
+            the evicted thread ids (oldest first). Threads in use (leased) are skipped.
+        """
+        if self.memory_budget_bytes is None:
+            return []
+        evicted = []
+        with self._lock:
+            sizes = {tid: e.session.memory_bytes for tid, e in self._entries.items()}
+            total = sum(sizes.values())
+            for tid in list(self._entries):
+                if total <= self.memory_budget_bytes:
+                    break
+                entry = self._entries[tid]
+                if not entry.lock.acquire(blocking=False):
+                    continue  # in use right now
+                try:
+                    if sizes[tid] > self.memory_budget_bytes:
+                        log.warning("kvmemory: thread %r holds %d bytes of K/V, more than the whole budget "
+                                    "(%d): dropped; its next turn re-prefills", tid, sizes[tid],
+                                    self.memory_budget_bytes)
+                    del self._entries[tid]
+                    total -= sizes[tid]
+                    evicted.append((tid, entry))
+                finally:
+                    entry.lock.release()
+        for tid, entry in evicted:
+            self.evictions += 1
+            log.info("kvmemory: evicted thread %r (least recently used) to stay within %d bytes",
+                     tid, self.memory_budget_bytes)
+            if self.on_evict is not None:
+                self.on_evict(tid, entry.session)
+        return [tid for tid, _ in evicted]
+
+    def drop(self, thread_id: str) -> bool:
+        """Forget a thread's cache (its next turn re-prefills). Returns whether it was live."""
+        with self._lock:
+            return self._entries.pop(thread_id, None) is not None
+
+    # ----------------------------------------------------- export / import
+    def export_state(self, thread_id: str) -> CacheState | None:
+        """A detached copy of the thread's cache state, or None if the thread is not live or
+        holds no rows yet."""
+        entry = self._entries.get(str(thread_id))
+        if entry is None or not entry.session.token_ids:
+            return None
+        with entry.lock:
+            return export_state(entry.session, self.model_name)
+
+    def import_state(self, thread_id: str, state: CacheState) -> KVSession:
+        """Make ``state`` the thread's live cache (e.g. after a process restart) and enforce the
+        budget. Raises CacheStateError (see :func:`import_state`); the thread is then unchanged."""
+        if state.model_name and self.model_name and state.model_name != self.model_name:
+            raise CacheStateError(f"state was computed by {state.model_name!r}, this registry runs "
+                                  f"{self.model_name!r}: re-prefill from the messages")
+        with self.lease(thread_id) as session:
+            import_state(session, state)
+        return session
+
+
+def _check_id(thread_id: Any) -> str:
+    if isinstance(thread_id, bool) or not isinstance(thread_id, (str, int)):
+        raise TypeError(f"thread_id must be a str (or int), got {type(thread_id).__name__}: pass "
+                        "config={'configurable': {'thread_id': '...'}}")
+    return str(thread_id)

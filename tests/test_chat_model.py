@@ -1,0 +1,206 @@
+"""ChatKVMemory beyond the standard suites: live-cache reuse per thread, repair reports after a
+mid-history edit, thread ids from LangGraph, tool-call and stop-sequence handling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.graph import START, MessagesState, StateGraph
+
+from kvmemory.models import LoadedModel
+from langchain_kvmemory import ChatKVMemory
+from langchain_kvmemory.chat_model import _TextWatcher, _tool_choice
+from langchain_kvmemory.constrained import MAX_FREE_STRING_CHARS, capped_strings
+from langchain_kvmemory.messages import UnsupportedContentError, to_session_messages
+from langchain_kvmemory.tool_calls import format_call, split_calls
+from support import tiny_model
+
+PASSAGE = ("Ostrava Nova was founded in 1873 by the engineer Ilse Marrow. The town lies on the Mira River. "
+           "Its mill was the first in the valley.")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tokenizer):
+    loaded = LoadedModel(tiny_model("llama"), tokenizer, "tiny-llama", Path("tiny-llama"), torch.float32)
+    return lambda **kw: ChatKVMemory(model=loaded, max_tokens=kw.pop("max_tokens", 4), **kw)
+
+
+def _agent_history(tool_text: str) -> list:
+    return [
+        SystemMessage("Answer from the tool results.", id="sys"),
+        HumanMessage("Who founded Ostrava Nova?", id="u1"),
+        AIMessage("", id="a1", tool_calls=[{"name": "search", "args": {"q": "Ostrava Nova"}, "id": "c1"}]),
+        ToolMessage(tool_text, tool_call_id="c1", id="t1"),
+        HumanMessage("Answer in one word.", id="u2"),
+    ]
+
+
+# ------------------------------------------------------------------ tiny model: mechanics
+def test_second_turn_reads_the_first_turns_rows_including_the_answer(tiny_chat):
+    llm = tiny_chat(max_tokens=3)
+    cfg = {"configurable": {"thread_id": "reuse"}}
+    first = llm.invoke([HumanMessage("Hello", id="h1")], config=cfg)
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0
+    second = llm.invoke([HumanMessage("Hello", id="h1"), first, HumanMessage("More?", id="h2")], config=cfg)
+    read = second.usage_metadata["input_token_details"]["cache_read"]
+    assert read >= first.usage_metadata["input_tokens"] - 1  # the whole first prompt (its last row is recomputed)
+    assert second.response_metadata["repair"]["edits"] == {"keep": 2, "append": 1} or read > 0
+    other = llm.invoke([HumanMessage("Hello", id="h1")], config={"configurable": {"thread_id": "other"}})
+    assert other.usage_metadata["input_token_details"]["cache_read"] == 0  # threads do not share caches
+    assert set(llm.threads.thread_ids) >= {"reuse", "other"}
+
+
+def test_mid_history_edit_is_repaired_and_reported(tiny_chat):
+    llm = tiny_chat(repair_policy="sur@50")
+    cfg = {"configurable": {"thread_id": "edit"}}
+    llm.invoke(_agent_history(PASSAGE), config=cfg)
+    edited = llm.invoke(_agent_history("[cleared]"), config=cfg)  # ClearToolUsesEdit: same id, new content
+    repair = edited.response_metadata["repair"]
+    assert repair["operator"] == "refresh" and repair["budget"] == 50.0 and repair["edits"].get("replace") == 1
+    assert repair["stale_tokens"] > 0 and repair["refreshed_tokens"] > 0 and repair["reused_tokens"] > 0
+    assert repair["recomputed_tokens"] < edited.usage_metadata["input_tokens"] and repair["latency_ms"] > 0
+    per_call = llm.invoke(_agent_history(PASSAGE), config=cfg, repair_policy="reprefill")
+    assert per_call.response_metadata["repair"]["operator"] == "reprefill"
+
+
+def test_thread_id_comes_from_the_langgraph_run_config(tiny_chat):
+    llm = tiny_chat(max_tokens=2)
+
+    def call_model(state: MessagesState):
+        return {"messages": [llm.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("model", call_model)
+    graph.add_edge(START, "model")
+    app = graph.compile(checkpointer=InMemorySaver())
+    cfg = {"configurable": {"thread_id": "graph-thread"}}
+    app.invoke({"messages": [HumanMessage("Hi")]}, cfg)
+    out = app.invoke({"messages": [HumanMessage("Again")]}, cfg)
+    last = out["messages"][-1]
+    assert last.response_metadata["thread_id"] == "graph-thread"
+    assert last.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert "graph-thread" in llm.threads
+
+
+def test_stream_gives_usage_once_on_the_last_chunk(tiny_chat):
+    chunks = list(tiny_chat(max_tokens=5).stream("Hello", config={"configurable": {"thread_id": "s"}}))
+    assert chunks[-1].chunk_position == "last"
+    assert [c.usage_metadata is not None for c in chunks].count(True) == 1
+    assert chunks[-1].response_metadata["model_name"] == "tiny-llama"
+
+
+def test_forced_tool_calls_parse_with_ids_even_on_a_random_model(tiny_chat):
+    # bounded argument types: a random-weight model would otherwise fill free strings / integers
+    # until max_tokens (the embedded model's free-form calls run in the standard suite)
+    def lookup(topic: Literal["rivers", "towns"], recent: bool) -> str:
+        """Look up passages."""
+        return ""
+
+    def other(flag: bool) -> bool:
+        """Other tool."""
+        return flag
+
+    llm = tiny_chat(max_tokens=60)
+    for choice, expected in (("any", {"lookup", "other"}), ("lookup", {"lookup"}), ("other", {"other"})):
+        msg = llm.bind_tools([lookup, other], tool_choice=choice).invoke("Find passages about rivers.")
+        assert len(msg.tool_calls) == 1, msg
+        call = msg.tool_calls[0]
+        assert call["name"] in expected and call["id"]
+        if call["name"] == "lookup":
+            assert call["args"]["topic"] in ("rivers", "towns") and isinstance(call["args"]["recent"], bool)
+    none = llm.bind_tools([lookup], tool_choice="none").invoke("Find passages.")
+    assert none.tool_calls == [] and "<tool_call>" not in none.content
+    with pytest.raises(ValueError, match="not a bound tool"):
+        llm.bind_tools([lookup], tool_choice="missing")
+
+
+def test_structured_output_follows_the_schema_on_a_random_model(tiny_chat):
+    schema = {"title": "Answer", "type": "object", "required": ["city", "known"],
+              "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "known": {"type": "boolean"}}}
+    llm = tiny_chat(max_tokens=60)
+    for method in ("json_schema", "function_calling", "json_mode"):
+        out = llm.with_structured_output(schema, method=method).invoke("Where?")
+        assert set(out) == {"city", "known"} and isinstance(out["known"], bool), (method, out)
+    raw = llm.with_structured_output(schema, include_raw=True).invoke("Where?")
+    assert raw["parsing_error"] is None and isinstance(raw["raw"], AIMessage)
+
+
+# ------------------------------------------------------------------ pure helpers
+def test_stop_sequences_and_tool_openers_are_held_back(tokenizer):
+    ids = tokenizer("Hello wor", add_special_tokens=False)["input_ids"] + \
+        tokenizer(" world STOP here", add_special_tokens=False)["input_ids"]
+    watcher = _TextWatcher(tokenizer, ["STOP"], watch_calls=False)
+    streamed = "".join(watcher.add(t) for t in ids if not watcher.stopped) + watcher.finish()
+    assert watcher.stopped and streamed == watcher.text and not streamed.endswith("STOP")
+    call = tokenizer("Sure. " + format_call("f", {"a": 1}), add_special_tokens=False)["input_ids"]
+    watcher = _TextWatcher(tokenizer, [], watch_calls=True)
+    streamed = "".join(watcher.add(t) for t in call) + watcher.finish()
+    assert streamed == "Sure. " and "<" not in streamed
+
+
+def test_split_calls_keeps_bad_calls_as_invalid_never_drops_them():
+    text = "Let me look. " + format_call("f", {"a": 1}) + "\n<tool_call>\n{not json}\n</tool_call>\n<tool_call>\n{\"na"
+    content, calls, invalid = split_calls(text)
+    assert content == "Let me look." and calls[0]["name"] == "f" and calls[0]["args"] == {"a": 1} and calls[0]["id"]
+    assert len(invalid) == 2 and all(i["id"] and i["error"] for i in invalid)
+    assert "not terminated" in invalid[1]["error"]
+
+
+def test_tool_choice_forms():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert _tool_choice(None, tools) == "auto" and _tool_choice(None, None) is None
+    assert _tool_choice("any", tools) == _tool_choice(True, tools) == _tool_choice("required", tools) == "required"
+    assert _tool_choice({"type": "function", "function": {"name": "f"}}, tools) == "f"
+    assert _tool_choice("none", tools) == "none"
+    with pytest.raises(ValueError, match="no tools are bound"):
+        _tool_choice("any", [])
+
+
+def test_grammar_caps_only_unbounded_strings():
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string", "enum": ["x"]},
+                                               "c": {"type": "string", "maxLength": 3}}}
+    capped = capped_strings(schema)["properties"]
+    assert capped["a"]["maxLength"] == MAX_FREE_STRING_CHARS and "maxLength" not in capped["b"]
+    assert capped["c"]["maxLength"] == 3 and "maxLength" not in schema["properties"]["a"]  # input untouched
+
+
+def test_messages_fold_tools_into_the_system_message_and_reject_images():
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
+    out = to_session_messages([HumanMessage("hi", id="h")], tools, template_tools=False)
+    assert out[0]["role"] == "system" and '"name": "f"' in out[0]["content"] and out[1]["id"] == "h"
+    ai = AIMessage("", tool_calls=[{"name": "f", "args": {"x": 1}, "id": "c"}])
+    assert to_session_messages([ai], None, False)[0]["content"] == format_call("f", {"x": 1})
+    image = HumanMessage(content=[{"type": "image", "url": "https://example.com/a.png"}])
+    with pytest.raises(UnsupportedContentError, match="text only"):
+        to_session_messages([image], None, False)
+
+
+# ------------------------------------------------------------------ the embedded model
+@pytest.mark.real_model
+def test_real_model_second_turn_reads_the_live_cache(real):
+    llm = ChatKVMemory(model=real, max_tokens=12)
+    cfg = {"configurable": {"thread_id": "real-turns"}}
+    first = llm.invoke([HumanMessage("What is the capital of France?", id="q1")], config=cfg)
+    second = llm.invoke([HumanMessage("What is the capital of France?", id="q1"), first,
+                         HumanMessage("And of Italy?", id="q2")], config=cfg)
+    read = second.usage_metadata["input_token_details"]["cache_read"]
+    assert read >= first.usage_metadata["input_tokens"] + first.usage_metadata["output_tokens"] - 1
+    assert second.response_metadata["repair"]["recomputed_tokens"] == second.usage_metadata["input_tokens"] - read
+
+
+@pytest.mark.real_model
+def test_real_model_mid_history_edit_reports_a_budgeted_repair(real):
+    llm = ChatKVMemory(model=real, max_tokens=8, repair_policy="sur@5")
+    cfg = {"configurable": {"thread_id": "real-edit"}}
+    llm.invoke(_agent_history(PASSAGE * 3), config=cfg)
+    edited = llm.invoke(_agent_history("[cleared]"), config=cfg)
+    repair = edited.response_metadata["repair"]
+    assert repair["operator"] == "refresh" and repair["budget"] == 5.0 and repair["fallback"] is None
+    assert repair["edits"].get("replace") == 1 and repair["stale_tokens"] > 0
+    assert repair["refreshed_tokens"] == -(-repair["stale_tokens"] * 5 // 100)  # B = ceil(S * b / 100)
+    assert edited.usage_metadata["input_token_details"]["cache_read"] == repair["reused_tokens"] > 0

@@ -1,0 +1,54 @@
+"""The two agent examples in a short configuration on the embedded model."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+AGENTS = Path(__file__).resolve().parents[1] / "examples" / "agents"
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(AGENTS))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", AGENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.real_model
+def test_hotpot_react_agent_repairs_cleared_tool_outputs_within_budget(real, tmp_path):
+    example = _load("hotpot_react")
+    data = DATA if (DATA / example.HOTPOT_FILE).is_file() else None
+    if data is None:
+        pytest.skip(f"HotpotQA data not found under {DATA}")
+    args = example.parser().parse_args(["--data", str(data), "--hops", "2", "--max-tokens", "40", "--answer-tokens", "4",
+                                        "--json", str(tmp_path / "hops.json")])
+    out = example.run(args, lm=real, console=Console(file=open(tmp_path / "log.txt", "w")))
+    assert len(out["hops"]) == 3  # two lookups and the answer
+    assert out["edited_hops"], "ClearToolUsesEdit never cleared a tool output"
+    for hop in out["hops"]:
+        assert hop["fallback"] is None and hop["operator"] == "sur@5"
+        if hop["index"] in out["edited_hops"]:
+            assert hop["edits"].get("replace") and hop["stale"] > 0 and 0 < hop["refreshed"] < hop["stale"]
+            assert hop["reused"] > hop["recomputed"]
+    assert out["max_repair_share_after_edit"] < 0.10  # the issue's bound at budget 5 %
+    assert (tmp_path / "hops.json").is_file()
+
+
+@pytest.mark.real_model
+def test_long_chat_summary_is_a_budgeted_repair(real, tmp_path):
+    example = _load("long_chat")
+    args = example.parser().parse_args(["--turns", "4", "--max-tokens", "6", "--max-history", "110",
+                                        "--keep", "60", "--db", str(tmp_path / "chat.sqlite")])
+    out = example.run(args, lm=real, console=Console(file=open(tmp_path / "log.txt", "w")))
+    assert out["edited_hops"] == [4], "the history should be summarised once, before the fourth answer"
+    hop = out["hops"][3]
+    assert hop["fallback"] is None and hop["operator"] == "sur@5" and hop["edits"].get("replace") == 1
+    assert hop["stale"] > 0 and 0 < hop["refreshed"] < hop["stale"] and hop["reused"] > 0  # Shift + budgeted SUR
+    assert (tmp_path / "chat.sqlite.kvcache").is_dir()  # the live cache was checkpointed beside the db
