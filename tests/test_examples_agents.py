@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from kvmemory.demo_cases import default_data_dir
+
 AGENTS = Path(__file__).resolve().parents[1] / "examples" / "agents"
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = default_data_dir()  # $KVMEMORY_DATA or ../shared/data (None: not on this machine)
 
 
 def _load(name: str):
@@ -24,9 +26,9 @@ def _load(name: str):
 @pytest.mark.real_model
 def test_hotpot_react_agent_repairs_cleared_tool_outputs_within_budget(real, tmp_path):
     example = _load("hotpot_react")
-    data = DATA if (DATA / example.HOTPOT_FILE).is_file() else None
+    data = DATA if DATA is not None and (DATA / example.HOTPOT_FILE).is_file() else None
     if data is None:
-        pytest.skip(f"HotpotQA data not found under {DATA}")
+        pytest.skip("HotpotQA data not found: set KVMEMORY_DATA to the shared data folder")
     args = example.parser().parse_args(["--data", str(data), "--hops", "2", "--max-tokens", "40", "--answer-tokens", "4",
                                         "--json", str(tmp_path / "hops.json")])
     out = example.run(args, lm=real, console=Console(file=open(tmp_path / "log.txt", "w")))
