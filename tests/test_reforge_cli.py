@@ -7,6 +7,7 @@ import pytest
 
 from kvmemory.bench import BENCHMARKS
 from kvmemory.cli import build_parser, main
+from kvmemory.demo_cases import default_data_dir
 from kvmemory.reforge.profile import ReforgeProfile
 
 
@@ -25,6 +26,7 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
 
 
 @pytest.mark.real_model
+@pytest.mark.skipif(default_data_dir() is None, reason="calibration prompts come from ../shared/data (set KVMEMORY_DATA)")
 def test_calibrate_quick_freezes_a_profile(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["calibrate", "--quick", "--updates", "2", "--out", str(out)]) == 0
