@@ -48,14 +48,14 @@ def _add_benchmarks(sub) -> None:
     """``kvmemory bench <name>``: one sub-command per module registered in kvmemory.bench."""
     import importlib
 
-    from .bench import BENCHMARKS
+    from .bench import BENCHMARKS, bench_module
 
     bench = sub.add_parser("bench", help="benchmarks (JSON + markdown + plots)")
     names = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
         parser = names.add_parser(name, help=help_text)
         parser.set_defaults(bench_module=module)
-        importlib.import_module(f".bench.{module}", __package__).add_arguments(parser)
+        importlib.import_module(bench_module(module)).add_arguments(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         import importlib
 
-        return importlib.import_module(f".bench.{args.bench_module}", __package__).run(args, console)
+        from .bench import bench_module
+
+        return importlib.import_module(bench_module(args.bench_module)).run(args, console)
     return 2
 
 
