@@ -295,7 +295,7 @@ class KVSession:
         if self.next_logits is None:
             raise RuntimeError("call prepare(messages) before generate(): the cache has no pending prompt")
         self._check_fits(len(self.token_ids))
-        stop_ids = self._stop_ids()
+        stop_ids = self.stop_token_ids()
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
@@ -336,7 +336,8 @@ class KVSession:
         """VersionReport: the adapter version of every cache layer and whether they mix."""
         return self.reforge.version_report()
 
-    def _stop_ids(self) -> set[int]:
+    def stop_token_ids(self) -> set[int]:
+        """Token ids that end an answer: the generation config's and the tokenizer's eos ids."""
         ids = set()
         for source in (getattr(self.model, "generation_config", None), self.tokenizer):
             eos = getattr(source, "eos_token_id", None)

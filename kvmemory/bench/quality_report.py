@@ -117,7 +117,8 @@ def markdown(summary: dict) -> str:
         f"Model {meta['model']} ({meta['dtype']}), {meta['executor']}, greedy answers of at most "
         f"{meta['max_new_tokens']} tokens, CPU ({meta['machine']}, {meta['torch_threads']} threads, shared). "
         f"Groups: {', '.join(meta['datasets'])}. SpecCache-adapted auxiliary model: {meta['speccache_auxiliary_model']}. "
-        "The clean-state oracle is privileged (it needs a full recomputation to select).",
+        "The clean-state oracle is privileged (it needs a full recomputation to select). "
+        + _answers_note(meta),
         "",
         "Agreement = greedy answer equal to Re-prefill's; KL = first-token KL(p_reprefill ‖ p_method) (median, nats); "
         "NR_TV = median of defined per-case 1 − TV(method)/TV(dirty) (eq. 14, unclipped); EM = task exact match; "
@@ -231,3 +232,12 @@ def write_outputs(out: Path, records: list[dict], meta: dict) -> dict:
     if records:
         plots(summary, out)
     return summary
+
+
+def _answers_note(meta: dict) -> str:
+    if meta.get("answers") != "verified":
+        return "Every answer is decoded step by step."
+    return ("Allocator answers are greedy answers verified against Re-prefill's answer in one forward (speculative "
+            "decoding with greedy verification: the same tokens as step-by-step decoding); their answer ms = answer "
+            "tokens × the case's measured Re-prefill ms/token, so latencies compare repair cost. References are "
+            "decoded step by step.")

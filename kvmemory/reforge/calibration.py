@@ -64,7 +64,7 @@ def score_windows(session, run: HybridRun, windows: list[int], gold: str | None,
     top1 = {h: float(int(torch.argmax(run.window(h))) == int(torch.argmax(fresh))) for h in windows}
     drop = {h: 0.0 for h in windows}
     if gold and answer_tokens > 0 and tokenizer is not None:
-        stop = session._stop_ids()
+        stop = session.stop_token_ids()
 
         def score(boundary: int) -> float:
             ids = greedy_answer(session.model, run.hybrid_cache(boundary), session.token_ids, answer_tokens, stop)
