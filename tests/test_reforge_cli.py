@@ -18,6 +18,16 @@ def test_commands_are_registered():
     assert build_parser().parse_args(["calibrate", "--quick"]).command == "calibrate"
 
 
+def test_calibration_gaps_and_starts_override_the_plan():
+    from kvmemory.reforge.cli import calibration_plan
+
+    args = build_parser().parse_args(["calibrate", "--gaps", "1,2,4,8,16", "--starts", "0,8"])
+    assert calibration_plan(False, args) == {"updates": 32, "starts": (0, 8), "gaps": (1, 2, 4, 8, 16)}
+    assert calibration_plan(False, build_parser().parse_args(["calibrate"]))["gaps"] == (1, 4, 16)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["calibrate", "--gaps", "1,x"])
+
+
 def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     assert main(["calibrate", "--data", str(tmp_path)]) == 2
     assert "hotpotqa" in capsys.readouterr().out

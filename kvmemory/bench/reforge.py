@@ -53,7 +53,7 @@ def run(args, console) -> int:
         profile = ReforgeProfile.load(args.profile, expect=key)
     else:
         samples = args.calib_samples or (1 if args.quick else 2)
-        profile = run_calibration(w, args, console, samples=samples, **calibration_plan(args.quick))
+        profile = run_calibration(w, args, console, samples=samples, **calibration_plan(args.quick, args))
     calibration_s = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     profile.save(args.out / "reforge-profile.json")  # the frozen profile the held-out run used

@@ -32,9 +32,23 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-samples", type=int, default=None, help="calibration prompts (default 2; quick 1)")
     parser.add_argument("--answer-tokens", type=int, default=None,
                         help="greedy answer length for held-out task scores (default 4; quick 3; 0 disables)")
+    parser.add_argument("--gaps", type=_ints, default=None,
+                        help="calibration version gaps Δ (comma list; default 1,4,16 as in the paper's RQ2; quick 1,2,4)")
+    parser.add_argument("--starts", type=_ints, default=None,
+                        help="calibration start versions (comma list; default 0,8,16; quick 0)")
     parser.add_argument("--calib-answer-tokens", type=int, default=0,
                         help="greedy answer length for the calibration task-score criterion (default 0: KL and "
                         "top-1 only, since each window then costs a decode)")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
 
 
 @dataclass
@@ -112,11 +126,14 @@ def run_calibration(w: Workload, args, console, *, samples: int, updates: int, s
     return profile
 
 
-def calibration_plan(quick: bool) -> dict:
-    """Trajectory length, start versions and gaps of the calibration conditions."""
-    if quick:
-        return {"updates": 4, "starts": (0,), "gaps": (1, 2, 4)}
-    return {"updates": 32, "starts": (0, 8, 16), "gaps": (1, 4, 16)}
+def calibration_plan(quick: bool, args=None) -> dict:
+    """Trajectory length, start versions and gaps of the calibration conditions (``args.gaps`` /
+    ``args.starts`` override the defaults)."""
+    plan = {"updates": 4, "starts": (0,), "gaps": (1, 2, 4)} if quick else {"updates": 32, "starts": (0, 8, 16), "gaps": (1, 4, 16)}
+    for name in ("gaps", "starts"):
+        if getattr(args, name, None):
+            plan[name] = tuple(getattr(args, name))
+    return plan
 
 
 def run(args, console) -> int:
@@ -126,7 +143,7 @@ def run(args, console) -> int:
     if problem:
         console.print(f"[red]{problem}[/red]")
         return 2
-    plan = calibration_plan(args.quick)
+    plan = calibration_plan(args.quick, args)
     if args.updates is not None:
         plan["updates"] = args.updates
     w = load_workload(args, console)
