@@ -20,7 +20,7 @@ from kvmemory.models import LoadedModel
 from kvmemory.session import KVSession
 from langchain_kvmemory.chat_model import ChatKVMemory
 from langchain_kvmemory.checkpointer import KVCheckpointSaver
-from support import QUERY, history, tiny_model, without
+from support import QUERY, history, tiny_model
 
 SECRET = "The vault code is QX-7731-ZEBRA-PLUM."
 
