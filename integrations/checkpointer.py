@@ -233,7 +233,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """Async :meth:`put` (serialising and writing the blob run in a worker thread)."""
         if self._has_live_thread(config):  # serialising K/V is blocking file work: off the event loop
             metadata = await asyncio.to_thread(self._with_cache_ref, config, metadata)
-        return await self.saver.aput(config, checkpoint, metadata, new_versions)
+        stored = await self.saver.aput(config, checkpoint, metadata, new_versions)
+        if self._erasures_due(config):
+            await asyncio.to_thread(self._purge_after_put, config)
+        return stored
 
     async def aput_writes(
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
@@ -272,7 +275,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
                 await self.saver.aput_writes(stored, task_writes, task_id)
 
     # ------------------------------------------------------------ strict erase
-    def erase_messages(self, thread_id: str, message_ids, *, live_clean: bool = False) -> EraseReport:
+    def erase_messages(self, thread_id: str, message_ids, *, live_clean: bool = False,
+                       during_run: bool = False) -> EraseReport:
         """Strict erase in the store: remove the messages ``message_ids`` of thread ``thread_id``
         from every stored snapshot (see :mod:`langchain_kvmemory.erase`).
 
@@ -297,6 +301,13 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             self._pending_erase.setdefault(tid, set()).update(still)
             report.deferred = sorted(still)
             ids -= still
+        if ids and during_run and not is_sqlite_saver(self.saver):
+            self._pending_erase.setdefault(tid, set()).update(ids)
+            report.deferred = sorted(set(report.deferred) | ids)
+            log.warning("kvmemory: %s cannot be rewritten atomically during a run: call erase_messages(%r, %s) "
+                        "while the thread is idle to purge the stored snapshots", type(self.saver).__name__, tid,
+                        sorted(ids))
+            ids = set()
         if ids:
             self._purge(tid, ids, live_clean, report)
             pending = self._pending_erase.get(tid)
@@ -307,6 +318,14 @@ class KVCheckpointSaver(BaseCheckpointSaver):
                  "deleted%s", sorted(ids), tid, report.checkpoints_rewritten, report.writes_rewritten,
                  len(report.blobs_deleted), f"; deferred {report.deferred}" if report.deferred else "")
         return report
+
+    async def aerase_messages(self, thread_id: str, message_ids, *, live_clean: bool = False) -> EraseReport:
+        """Async :meth:`erase_messages` (runs in a worker thread; call it while the thread is idle)."""
+        return await asyncio.to_thread(self.erase_messages, thread_id, message_ids, live_clean=live_clean)
+
+    def pending_erasures(self, thread_id: str) -> list[str]:
+        """Ids strictly erased from the thread's cache whose stored snapshots are not purged yet."""
+        return sorted(self._pending_erase.get(str(thread_id), ()))
 
     def _purge(self, tid: str, ids: set[str], live_clean: bool, report: EraseReport) -> None:
         sqlite = is_sqlite_saver(self.saver)
@@ -323,15 +342,21 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             if session is not None and ({m.key for m in session.messages} & ids or session.exact_rows < len(session.token_ids)):
                 self.threads.drop(tid)
 
+    def _erasures_due(self, config: RunnableConfig) -> bool:
+        if not self._has_live_thread(config):
+            return False
+        tid = _thread_and_ns(config)[0]
+        return bool(self.threads.session(tid).pending_erasures or self._pending_erase.get(tid))
+
     def _purge_after_put(self, config: RunnableConfig) -> None:
         """After a root checkpoint of a live thread: purge what its cache strictly erased since."""
-        if not self._has_live_thread(config):
+        if not self._erasures_due(config):
             return
         tid = _thread_and_ns(config)[0]
         ids = set(self.threads.session(tid).take_erasures()) | self._pending_erase.pop(tid, set())
         if ids:
             try:
-                self.erase_messages(tid, ids, live_clean=True)
+                self.erase_messages(tid, ids, live_clean=True, during_run=True)
             except (OSError, sqlite3.Error) as exc:
                 self._pending_erase.setdefault(tid, set()).update(ids)
                 log.warning("kvmemory: strict erase of thread %r not purged from the store yet (%s); retried at "

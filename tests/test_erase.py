@@ -228,3 +228,30 @@ def test_real_model_strict_erase_in_a_sqlite_graph(tmp_path, real):
     result = _erase_in_graph(real, tmp_path, ["Keep it safe.", "Say hi."])
     _check_erased(real.model, *result, atol=1e-5)
 
+
+
+def test_other_savers_are_purged_when_idle_through_the_public_api(tmp_path, tokenizer, llama):
+    """InMemorySaver cannot be rewritten atomically during a run: the chat model defers, an
+    explicit ``erase_messages`` on the idle thread rewrites it through list / delete_thread / put."""
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    loaded = LoadedModel(llama, tokenizer, "tiny-llama", Path("tiny-llama"), torch.float32)
+    llm = ChatKVMemory(model=loaded, max_tokens=3, erase="strict")
+    config = {"configurable": {"thread_id": "mem"}}
+    saver = KVCheckpointSaver(InMemorySaver(), llm, blob_dir=tmp_path / "blobs")
+    graph = _chat_graph(llm, saver)
+    graph.invoke({"messages": [HumanMessage(SECRET, id="secret"), HumanMessage("Hi.", id="h")]}, config)
+    graph.update_state(config, {"messages": [RemoveMessage(id="secret")]})
+    out = graph.invoke({"messages": [HumanMessage("Next.", id="n")]}, config)
+    assert out["messages"][-1].response_metadata["erase"]["stores"][0]["deferred"] == ["secret"]
+    assert saver.pending_erasures("mem") == ["secret"]
+
+    report = saver.erase_messages("mem", saver.pending_erasures("mem"))
+    assert report.checkpoints_rewritten > 0 and report.blobs_deleted and not report.deferred
+    assert saver.pending_erasures("mem") == []
+    states = [s.values.get("messages", []) for s in graph.get_state_history(config)]
+    assert len(states) > 3 and all(m.id != "secret" for msgs in states for m in msgs)
+    assert [m.content for m in graph.get_state(config).values["messages"][:2]] == ["Hi.", out["messages"][1].content]
+    for path in (tmp_path / "blobs").rglob("*"):
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes()
+    graph.invoke({"messages": [HumanMessage("Still there?", id="s2")]}, config)  # the thread continues
