@@ -20,7 +20,7 @@ from kvmemory.models import LoadedModel
 from kvmemory.session import KVSession
 from langchain_kvmemory.chat_model import ChatKVMemory
 from langchain_kvmemory.checkpointer import KVCheckpointSaver
-from support import QUERY, history, tiny_model
+from support import QUERY, history, tiny_model, without
 
 SECRET = "The vault code is QX-7731-ZEBRA-PLUM."
 
@@ -79,6 +79,31 @@ def test_strict_replace_erases_the_old_content_and_bad_modes_are_refused(llama, 
     with pytest.raises(ValueError, match="dirty"):
         session.delete_message("t2", policy="dirty", erase="strict")
     assert session.policy.label == "sur@5"  # the session policy itself is unchanged
+
+
+def test_strict_erase_recomputes_retained_cachereforge_states(tokenizer):
+    """Boundary hidden states retained for CacheReforge are state too: after a strict erase they
+    equal a fresh prefill's, and the old ones are overwritten from the edit point."""
+    from peft import LoraConfig, get_peft_model
+
+    from kvmemory.reforge.state import ReforgeConfig
+
+    model = get_peft_model(tiny_model("llama", num_hidden_layers=4),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], layers_to_transform=[2])).eval()
+    msgs = history() + [QUERY]
+    session = KVSession(model, tokenizer, "sur@5", reforge=ReforgeConfig())
+    session.prepare(msgs)
+    old = {layer: b.hidden for layer, b in session.reforge.boundaries.states.items()}
+    assert old, "the LoRA model retains boundary states"
+    report = session.delete_message("t2", erase="strict")
+    fresh = KVSession(model, tokenizer, "reprefill", reforge=ReforgeConfig())
+    fresh.prepare(without(msgs, "t2"))
+    start = report.erased["from_row"]
+    assert report.erased["boundary_rows_overwritten"] == sum(h.shape[1] - start for h in old.values())
+    for layer, hidden in old.items():
+        assert hidden[:, start:].abs().sum() == 0
+        torch.testing.assert_close(session.reforge.boundaries.states[layer].hidden,
+                                   fresh.reforge.boundaries.states[layer].hidden, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------- in a graph
