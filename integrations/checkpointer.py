@@ -42,8 +42,8 @@ from langgraph.checkpoint.base import (
 from kvmemory.threads import CacheState, CacheStateError, ThreadCaches
 
 from .blobs import BlobError, BlobRef, BlobStore
-from .erase import EraseReport, contains_ids, is_sqlite_saver, purge_generic, purge_sqlite, shred, sqlite_refs, \
-    tainted_blobs
+from .erase import Erasure, EraseReport, current_versions, is_sqlite_saver, purge_generic, purge_sqlite, shred, \
+    sqlite_refs, tainted_blobs
 
 log = logging.getLogger(__name__)
 
@@ -296,27 +296,25 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         tid, ids = str(thread_id), {str(i) for i in message_ids}
         report = EraseReport(tid, sorted(ids))
         newest = self.saver.get_tuple({"configurable": {"thread_id": tid, "checkpoint_ns": ""}})
-        still = {i for i in ids if newest is not None and contains_ids(newest.checkpoint["channel_values"], {i})}
-        if still:
-            self._pending_erase.setdefault(tid, set()).update(still)
-            report.deferred = sorted(still)
-            ids -= still
-        if ids and during_run and not is_sqlite_saver(self.saver):
+        current = current_versions(newest.checkpoint["channel_values"], ids) if newest is not None else {}
+        if current:  # still in the graph state: that version stays, older ones go; retried at later puts
+            self._pending_erase.setdefault(tid, set()).update(current)
+            report.deferred = sorted(current)
+        if during_run and not is_sqlite_saver(self.saver):
             self._pending_erase.setdefault(tid, set()).update(ids)
-            report.deferred = sorted(set(report.deferred) | ids)
+            report.deferred = sorted(ids)
             log.warning("kvmemory: %s cannot be rewritten atomically during a run: call erase_messages(%r, %s) "
                         "while the thread is idle to purge the stored snapshots", type(self.saver).__name__, tid,
                         sorted(ids))
-            ids = set()
-        if ids:
-            self._purge(tid, ids, live_clean, report)
+        else:
+            self._purge(tid, Erasure(frozenset(ids), current), live_clean, report)
             pending = self._pending_erase.get(tid)
             if pending is not None:
-                pending -= ids
+                pending -= ids - set(current)
         self.erase_reports[tid] = report
         log.info("kvmemory: strict erase of %s in thread %r: %d checkpoints and %d writes rewritten, %d blobs "
                  "deleted%s", sorted(ids), tid, report.checkpoints_rewritten, report.writes_rewritten,
-                 len(report.blobs_deleted), f"; deferred {report.deferred}" if report.deferred else "")
+                 len(report.blobs_deleted), f"; still in the graph state: {report.deferred}" if report.deferred else "")
         return report
 
     async def aerase_messages(self, thread_id: str, message_ids, *, live_clean: bool = False) -> EraseReport:
@@ -327,7 +325,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """Ids strictly erased from the thread's cache whose stored snapshots are not purged yet."""
         return sorted(self._pending_erase.get(str(thread_id), ()))
 
-    def _purge(self, tid: str, ids: set[str], live_clean: bool, report: EraseReport) -> None:
+    def _purge(self, tid: str, ids: Erasure, live_clean: bool, report: EraseReport) -> None:
         sqlite = is_sqlite_saver(self.saver)
         refs = sqlite_refs(self.saver, tid, CACHE_KEY) if sqlite else [
             sha for t in self.saver.list({"configurable": {"thread_id": tid}}) if (sha := _sha_of(t.metadata))]
@@ -339,7 +337,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
                 self._stored.pop(key, None)
         if self.threads is not None and not live_clean:
             session = self.threads.session(tid) if tid in self.threads else None
-            if session is not None and ({m.key for m in session.messages} & ids or session.exact_rows < len(session.token_ids)):
+            held = [{"id": m.key, "content": m.content} for m in session.messages] if session is not None else []
+            if session is not None and (any(map(ids.hits_stored, held)) or session.exact_rows < len(session.token_ids)):
                 self.threads.drop(tid)
 
     def _erasures_due(self, config: RunnableConfig) -> bool:

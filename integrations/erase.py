@@ -39,8 +39,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class EraseReport:
     """What a store purge did. Counts are stored items; ``blobs_deleted`` are sha256 digests;
-    ``deferred``: ids still in the thread's newest checkpoint (not removed from the graph state,
-    e.g. only trimmed from one model call), so their snapshots were kept; ``sqlite``: the
+    ``deferred``: ids still in the thread's newest checkpoint (not removed from the graph state:
+    only left out of one model call, or replaced in place): that version is kept, older versions
+    with other content are purged, and the id is checked again at later puts; with a saver that
+    cannot be rewritten during a run, every id waits for an explicit call. ``sqlite``: the
     VACUUM / WAL truncation result (None for other savers)."""
 
     thread_id: str
@@ -59,35 +61,73 @@ class EraseReport:
 
 
 # ------------------------------------------------------------------ values
-def contains_ids(value: Any, ids: set[str]) -> bool:
-    """Whether ``value`` (channel values, writes, nested lists / dicts) holds a message with an
-    id in ``ids``."""
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Erasure:
+    """Which stored messages go: those with an id in ``ids``, except the version the thread's
+    newest checkpoint still holds (``current``: id -> content), which the user did not delete
+    (a replaced message keeps its new content; a message only left out of a call stays)."""
+
+    ids: frozenset[str]
+    current: dict = field(default_factory=dict)
+
+    def hits(self, message: BaseMessage) -> bool:
+        return message.id in self.ids and self.current.get(message.id, _ABSENT) != message.content
+
+    def hits_stored(self, held: dict) -> bool:
+        """For a message dict of a blob's metadata (``{"id", "content", ...}``)."""
+        return held.get("id") in self.ids and self.current.get(held.get("id"), _ABSENT) != held.get("content")
+
+
+def contains_ids(value: Any, erasure: Erasure) -> bool:
+    """Whether ``value`` (channel values, writes, nested lists / dicts) holds an erased message."""
     if isinstance(value, BaseMessage):
-        return value.id in ids
+        return erasure.hits(value)
     if isinstance(value, dict):
-        return any(contains_ids(v, ids) for v in value.values())
+        return any(contains_ids(v, erasure) for v in value.values())
     if isinstance(value, (list, tuple)):
-        return any(contains_ids(v, ids) for v in value)
+        return any(contains_ids(v, erasure) for v in value)
     return False
 
 
-def without_ids(value: Any, ids: set[str]) -> Any:
-    """``value`` with every message whose id is in ``ids`` removed (lists, tuples and dicts are
-    rebuilt; a message on its own becomes an empty list, the no-op update of ``add_messages``)."""
+def without_ids(value: Any, erasure: Erasure) -> Any:
+    """``value`` with every erased message removed (lists, tuples and dicts are rebuilt; a
+    message on its own becomes an empty list, the no-op update of ``add_messages``)."""
     if isinstance(value, BaseMessage):
-        return [] if value.id in ids else value
+        return [] if erasure.hits(value) else value
     if isinstance(value, dict):
-        return {k: without_ids(v, ids) for k, v in value.items()}
+        return {k: without_ids(v, erasure) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        kept = [without_ids(v, ids) for v in value if not (isinstance(v, BaseMessage) and v.id in ids)]
+        kept = [without_ids(v, erasure) for v in value if not (isinstance(v, BaseMessage) and erasure.hits(v))]
         return type(value)(kept) if isinstance(value, tuple) else kept
     return value
 
 
+def current_versions(channel_values: Any, ids: set[str]) -> dict:
+    """id -> content of the messages with an id in ``ids`` found in ``channel_values``."""
+    found: dict = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, BaseMessage):
+            if value.id in ids:
+                found[value.id] = value.content
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(channel_values)
+    return found
+
+
 # ------------------------------------------------------------------- blobs
-def tainted_blobs(store: BlobStore, ids: set[str], thread_refs: Iterable[str]) -> set[str]:
+def tainted_blobs(store: BlobStore, erasure: Erasure, thread_refs: Iterable[str]) -> set[str]:
     """Blobs that may derive from the erased messages: any blob in ``store`` whose stored
-    messages include an id in ``ids``, and any of the thread's blobs (``thread_refs``) holding
+    messages include an erased one, and any of the thread's blobs (``thread_refs``) holding
     stale rows or unreadable. Reads only the safetensors headers."""
     thread_refs = set(thread_refs)
     tainted = set()
@@ -96,8 +136,8 @@ def tainted_blobs(store: BlobStore, ids: set[str], thread_refs: Iterable[str]) -
         if meta is None:
             tainted.add(sha)  # unreadable: cannot prove it clean
             continue
-        held = {m.get("id") for m in meta["messages"]}
-        if held & ids or (sha in thread_refs and meta["exact_rows"] < meta["rows"]):
+        if any(erasure.hits_stored(m) for m in meta["messages"]) or (
+                sha in thread_refs and meta["exact_rows"] < meta["rows"]):
             tainted.add(sha)
     return tainted
 
@@ -154,7 +194,7 @@ def sqlite_refs(saver, thread_id: str, cache_key: str) -> list[str]:
     return [sha for (meta,) in rows if (sha := _ref_sha(_json(meta), cache_key))]
 
 
-def purge_sqlite(saver, thread_id: str, ids: set[str], tainted: set[str], cache_key: str, report: EraseReport) -> None:
+def purge_sqlite(saver, thread_id: str, ids: Erasure, tainted: set[str], cache_key: str, report: EraseReport) -> None:
     """Rewrite the thread's rows of a SqliteSaver in place, in one transaction under its lock:
     checkpoints and writes without the erased messages, metadata without tainted blob refs.
     Then VACUUM and truncate the write-ahead log so no deleted page survives in the files."""
@@ -211,7 +251,7 @@ def _json(raw) -> dict:
 
 
 # ----------------------------------------------------------- other savers
-def purge_generic(saver: BaseCheckpointSaver, thread_id: str, ids: set[str], tainted: set[str], cache_key: str,
+def purge_generic(saver: BaseCheckpointSaver, thread_id: str, ids: Erasure, tainted: set[str], cache_key: str,
                   report: EraseReport) -> None:
     """Rewrite a thread through the public saver API: read every checkpoint and pending write,
     delete the thread, put them back (oldest first) without the erased messages and tainted

@@ -280,3 +280,26 @@ def test_other_savers_are_purged_when_idle_through_the_public_api(tmp_path, toke
     for path in (tmp_path / "blobs").rglob("*"):
         assert not path.is_file() or SECRET.encode() not in path.read_bytes()
     graph.invoke({"messages": [HumanMessage("Still there?", id="s2")]}, config)  # the thread continues
+
+
+def test_strict_replace_in_the_graph_state_keeps_only_the_new_version(tmp_path, tokenizer, llama):
+    """``update_state`` with the same id replaces a message: its old content leaves every stored
+    snapshot, the new content stays in the thread."""
+    loaded = LoadedModel(llama, tokenizer, "tiny-llama", Path("tiny-llama"), torch.float32)
+    llm = ChatKVMemory(model=loaded, max_tokens=3, erase="strict")
+    config = {"configurable": {"thread_id": "replace"}}
+    db = tmp_path / "r.sqlite"
+    with KVCheckpointSaver.from_sqlite(db, llm) as saver:
+        graph = _chat_graph(llm, saver)
+        graph.invoke({"messages": [HumanMessage(SECRET, id="secret"), HumanMessage("Hi.", id="h")]}, config)
+        graph.update_state(config, {"messages": [HumanMessage("[redacted]", id="secret")]})
+        out = graph.invoke({"messages": [HumanMessage("Next.", id="n")]}, config)
+        erase = out["messages"][-1].response_metadata["erase"]
+        assert erase["messages"] == ["secret"] and erase["stores"][0]["checkpoints_rewritten"] > 0
+        assert erase["stores"][0]["deferred"] == ["secret"]  # its new version stays in the state
+        assert out["messages"][0].content == "[redacted]" and out["messages"][1].content == "Hi."
+        contents = [m.content for s in graph.get_state_history(config) for m in s.values.get("messages", [])]
+        assert SECRET not in contents and "[redacted]" in contents
+    for path in [db, *Path(str(db) + ".kvcache").rglob("*")]:
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes()
+    assert SECRET.encode() not in _wal(db)
