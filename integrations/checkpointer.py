@@ -301,11 +301,13 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             self._pending_erase.setdefault(tid, set()).update(current)
             report.deferred = sorted(current)
         if during_run and not is_sqlite_saver(self.saver):
-            self._pending_erase.setdefault(tid, set()).update(ids)
-            report.deferred = sorted(ids)
-            log.warning("kvmemory: %s cannot be rewritten atomically during a run: call erase_messages(%r, %s) "
-                        "while the thread is idle to purge the stored snapshots", type(self.saver).__name__, tid,
-                        sorted(ids))
+            waiting = self._pending_erase.setdefault(tid, set())
+            fresh, report.deferred = ids - waiting, sorted(ids)
+            waiting.update(ids)
+            if fresh:
+                    log.warning("kvmemory: %s cannot be rewritten atomically during a run: call erase_messages(%r, %s) "
+                            "while the thread is idle to purge the stored snapshots", type(self.saver).__name__, tid,
+                            sorted(ids))
         else:
             self._purge(tid, Erasure(frozenset(ids), current), live_clean, report)
             pending = self._pending_erase.get(tid)

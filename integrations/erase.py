@@ -16,11 +16,13 @@ nothing derived from the deleted messages; this module makes the store agree:
 ``SqliteSaver`` (langgraph-checkpoint-sqlite 3.1.2 has ``delete_thread`` only: no ``prune`` or
 ``delete_for_runs``) is rewritten in place in one transaction under the saver's lock, so it is
 safe while a run of the thread is in progress. Any other saver is rewritten through its public
-``list`` / ``delete_thread`` / ``put`` / ``put_writes`` (call that only while the thread is idle).
+``list`` / ``delete_thread`` / ``put`` / ``put_writes`` (call that only while the thread is idle;
+an ``AsyncSqliteSaver`` is vacuumed afterwards).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -244,6 +246,27 @@ def vacuum(saver) -> str:
     return "vacuumed, WAL truncated" if not busy else "vacuumed, WAL busy (another reader)"
 
 
+def vacuum_async_sqlite(saver) -> str | None:
+    """VACUUM + WAL truncation for an ``AsyncSqliteSaver`` (aiosqlite connection and event loop),
+    from a worker thread. Returns a status, or None when ``saver`` is not one."""
+    conn, loop = getattr(saver, "conn", None), getattr(saver, "loop", None)
+    if loop is None or not type(conn).__module__.startswith("aiosqlite"):
+        return None
+
+    async def run() -> str:
+        async with saver.lock:
+            await conn.execute("VACUUM")
+            cursor = await conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            busy, _, _ = await cursor.fetchone()
+        return "vacuumed, WAL truncated" if not busy else "vacuumed, WAL busy (another reader)"
+
+    try:
+        return asyncio.run_coroutine_threadsafe(run(), loop).result()
+    except sqlite3.OperationalError as exc:
+        log.warning("kvmemory: strict erase: VACUUM did not run (%s): deleted bytes may stay in free pages", exc)
+        return f"not vacuumed: {exc}"
+
+
 def _json(raw) -> dict:
     if raw is None:
         return {}
@@ -281,3 +304,4 @@ def purge_generic(saver: BaseCheckpointSaver, thread_id: str, ids: Erasure, tain
             grouped.setdefault(task_id, []).append((channel, without_ids(value, ids)))
         for task_id, writes in grouped.items():
             saver.put_writes(stored, writes, task_id)
+    report.sqlite = vacuum_async_sqlite(saver)

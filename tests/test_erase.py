@@ -303,3 +303,23 @@ def test_strict_replace_in_the_graph_state_keeps_only_the_new_version(tmp_path, 
     for path in [db, *Path(str(db) + ".kvcache").rglob("*")]:
         assert not path.is_file() or SECRET.encode() not in path.read_bytes()
     assert SECRET.encode() not in _wal(db)
+
+
+async def test_async_sqlite_saver_is_purged_by_an_explicit_erase(tmp_path, tokenizer, llama):
+    loaded = LoadedModel(llama, tokenizer, "tiny-llama", Path("tiny-llama"), torch.float32)
+    llm = ChatKVMemory(model=loaded, max_tokens=3, erase="strict")
+    config = {"configurable": {"thread_id": "async"}}
+    db = tmp_path / "a.sqlite"
+    async with KVCheckpointSaver.afrom_sqlite(db, llm) as saver:
+        graph = _chat_graph(llm, saver)
+        await graph.ainvoke({"messages": [HumanMessage(SECRET, id="secret"), HumanMessage("Hi.", id="h")]}, config)
+        await graph.aupdate_state(config, {"messages": [RemoveMessage(id="secret")]})
+        await graph.ainvoke({"messages": [HumanMessage("Next.", id="n")]}, config)
+        assert saver.pending_erasures("async") == ["secret"]  # not rewritten during the run
+        assert SECRET.encode() in db.read_bytes() + _wal(db)
+        report = await saver.aerase_messages("async", saver.pending_erasures("async"))
+        assert report.checkpoints_rewritten > 0 and report.sqlite == "vacuumed, WAL truncated"
+        assert [m.content for m in (await graph.aget_state(config)).values["messages"]][0] == "Hi."
+    for path in [db, *Path(str(db) + ".kvcache").rglob("*")]:
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes()
+    assert SECRET.encode() not in _wal(db)
