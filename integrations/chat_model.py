@@ -522,7 +522,8 @@ def _erase_everywhere(registry: ThreadCaches, thread_id: str, session, report) -
     stores, ids = [], session.take_erasures()
     for saver in list(ERASERS.get(registry, ())):
         try:
-            stores.append(saver.erase_messages(thread_id, ids, live_clean=True, during_run=True).to_dict())
+            purge = saver.erase_messages(thread_id, ids, live_clean=True, during_run=True, recheck=True)
+            stores.append(purge.to_dict())
         except Exception as exc:  # the answer still comes; the saver retries at its next put
             saver._pending_erase.setdefault(thread_id, set()).update(ids)
             log.warning("kvmemory: strict erase not purged from a checkpoint store yet (%s); retried at its next "

@@ -276,17 +276,21 @@ class KVCheckpointSaver(BaseCheckpointSaver):
 
     # ------------------------------------------------------------ strict erase
     def erase_messages(self, thread_id: str, message_ids, *, live_clean: bool = False,
-                       during_run: bool = False) -> EraseReport:
+                       during_run: bool = False, recheck: bool = False) -> EraseReport:
         """Strict erase in the store: remove the messages ``message_ids`` of thread ``thread_id``
         from every stored snapshot (see :mod:`langchain_kvmemory.erase`).
 
         Checkpoints and pending writes holding them are rewritten without them (ids, parents and
         every other message kept); KV blobs that may derive from them are overwritten, fsynced and
         unlinked, and their references dropped; a SQLite database is vacuumed and its WAL
-        truncated. Ids still present in the thread's newest checkpoint were not removed from the
-        graph state (e.g. only left out of one model call): they are reported as ``deferred`` and
-        purged at a later ``put`` once a checkpoint without them is stored. A live cache of the
-        thread that may hold them (``live_clean`` False) is dropped; its next turn re-prefills.
+        truncated. The version of a message that the thread's newest checkpoint still holds stays
+        (a message replaced in place keeps its new content; one only left out of a model call
+        stays whole) and its id is reported as ``deferred``; ``recheck`` (the chat model's call
+        during a run, when LangGraph may not have stored the removal yet) checks it again at the
+        next ``put``. A live cache of the thread that may hold an erased version (``live_clean``
+        False) is dropped; its next turn re-prefills. ``during_run`` (automatic purges): a saver
+        that cannot be rewritten atomically (not a SqliteSaver) is left alone and every id waits
+        in :meth:`pending_erasures` for a call on the idle thread.
 
         Returns:
             EraseReport (counts of checkpoints / writes rewritten, blobs deleted, deferred ids).
@@ -297,22 +301,22 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         report = EraseReport(tid, sorted(ids))
         newest = self.saver.get_tuple({"configurable": {"thread_id": tid, "checkpoint_ns": ""}})
         current = current_versions(newest.checkpoint["channel_values"], ids) if newest is not None else {}
-        if current:  # still in the graph state: that version stays, older ones go; retried at later puts
-            self._pending_erase.setdefault(tid, set()).update(current)
-            report.deferred = sorted(current)
+        report.deferred = sorted(current)
         if during_run and not is_sqlite_saver(self.saver):
             waiting = self._pending_erase.setdefault(tid, set())
             fresh, report.deferred = ids - waiting, sorted(ids)
             waiting.update(ids)
             if fresh:
-                    log.warning("kvmemory: %s cannot be rewritten atomically during a run: call erase_messages(%r, %s) "
+                log.warning("kvmemory: %s cannot be rewritten atomically during a run: call erase_messages(%r, %s) "
                             "while the thread is idle to purge the stored snapshots", type(self.saver).__name__, tid,
                             sorted(ids))
         else:
             self._purge(tid, Erasure(frozenset(ids), current), live_clean, report)
             pending = self._pending_erase.get(tid)
             if pending is not None:
-                pending -= ids - set(current)
+                pending -= ids
+            if current and recheck:
+                self._pending_erase.setdefault(tid, set()).update(current)
         self.erase_reports[tid] = report
         log.info("kvmemory: strict erase of %s in thread %r: %d checkpoints and %d writes rewritten, %d blobs "
                  "deleted%s", sorted(ids), tid, report.checkpoints_rewritten, report.writes_rewritten,

@@ -230,7 +230,8 @@ def purge_sqlite(saver, thread_id: str, ids: Erasure, tainted: set[str], cache_k
             cur.execute("UPDATE writes SET type = ?, value = ? WHERE thread_id = ? AND checkpoint_ns = ? AND "
                         "checkpoint_id = ? AND task_id = ? AND idx = ?", (new_type, new_blob, thread_id, ns, cid, task, idx))
             report.writes_rewritten += 1
-    report.sqlite = vacuum(saver)
+    rewritten = report.checkpoints_rewritten or report.writes_rewritten or report.refs_dropped
+    report.sqlite = vacuum(saver) if rewritten else "nothing to rewrite"
 
 
 def vacuum(saver) -> str:
@@ -304,4 +305,5 @@ def purge_generic(saver: BaseCheckpointSaver, thread_id: str, ids: Erasure, tain
             grouped.setdefault(task_id, []).append((channel, without_ids(value, ids)))
         for task_id, writes in grouped.items():
             saver.put_writes(stored, writes, task_id)
-    report.sqlite = vacuum_async_sqlite(saver)
+    report.sqlite = vacuum_async_sqlite(saver) if report.checkpoints_rewritten or report.writes_rewritten \
+        or report.refs_dropped else None

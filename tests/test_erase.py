@@ -323,3 +323,34 @@ async def test_async_sqlite_saver_is_purged_by_an_explicit_erase(tmp_path, token
     for path in [db, *Path(str(db) + ".kvcache").rglob("*")]:
         assert not path.is_file() or SECRET.encode() not in path.read_bytes()
     assert SECRET.encode() not in _wal(db)
+
+
+def test_a_graph_driving_the_registry_directly_is_purged_at_the_next_put(tmp_path, tokenizer, llama):
+    """Without the chat model, the erasures a session queues are purged when the saver stores
+    the next checkpoint of the thread."""
+    from kvmemory.threads import ThreadCaches
+
+    registry = ThreadCaches(llama, tokenizer, "sur@5")
+    roles = {"human": "user", "ai": "assistant", "system": "system"}
+
+    def answer(state: MessagesState, config):
+        with registry.lease(config["configurable"]["thread_id"]) as session:
+            session.prepare([{"role": roles[m.type], "content": m.content, "id": m.id} for m in state["messages"]],
+                            erase="strict")
+            text = session.generate(3).text
+        return {"messages": [HumanMessage(text, id=f"ans-{len(state['messages'])}")]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("answer", answer)
+    builder.add_edge(START, "answer")
+    config = {"configurable": {"thread_id": "direct"}}
+    db = tmp_path / "d.sqlite"
+    with KVCheckpointSaver.from_sqlite(db, registry) as saver:
+        graph = builder.compile(checkpointer=saver)
+        graph.invoke({"messages": [HumanMessage(SECRET, id="secret"), HumanMessage("Hi.", id="h")]}, config)
+        graph.update_state(config, {"messages": [RemoveMessage(id="secret")]})
+        graph.invoke({"messages": [HumanMessage("Next.", id="n")]}, config)
+        report = saver.erase_reports["direct"]
+        assert report.messages == ["secret"] and report.checkpoints_rewritten > 0 and not report.deferred
+        assert registry.session("direct").pending_erasures == [] and saver.pending_erasures("direct") == []
+    assert SECRET.encode() not in db.read_bytes() + _wal(db)
