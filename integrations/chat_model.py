@@ -34,6 +34,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 import torch
 
+from kvmemory.guard import FidelityGuard, GuardConfig
 from kvmemory.models import LoadedModel, load_model
 from kvmemory.policy import RepairPolicy
 from kvmemory.threads import ThreadCaches
@@ -102,6 +103,16 @@ class ChatKVMemory(BaseChatModel):
     ``auto_tool_calls`` (``"model"``: under ``tool_choice="auto"`` the model decides; ``"after_user"``:
     a tool call is required when the last message is from the user and text is free otherwise, a
     ReAct-loop policy for models too small to decide, such as the embedded one).
+
+    ``erase`` (``"none"`` or ``"strict"``; per call: ``invoke(..., erase="strict")``): under strict
+    erase, a call whose messages delete or replace a message the thread's cache holds recomputes
+    every row from the edit point (Replay), drops the thread's side caches (``<thread>/summary``)
+    and purges the removed messages from the stores of every ``KVCheckpointSaver`` persisting this
+    model's threads; ``response_metadata["erase"]`` says what was erased.
+    ``guard`` (a :class:`kvmemory.guard.GuardConfig` or dict, None = off): the fidelity guard
+    checks a sampled fraction of repairs against Re-prefill in the background and raises the
+    thread's budget when the first-token KL exceeds its threshold;
+    ``response_metadata["guard"]`` shows the thread's state, :meth:`guard_summary` all threads.
     """
 
     model: str = "smollm2"
@@ -117,7 +128,10 @@ class ChatKVMemory(BaseChatModel):
     memory_budget_bytes: int | None = Field(default=1 << 30, ge=0)
     default_thread_id: str = "default"
     auto_tool_calls: Literal["model", "after_user"] = "model"
+    erase: Literal["none", "strict"] = "none"
+    guard: GuardConfig | None = None
 
+    _guards: dict[tuple[str, str], FidelityGuard] = PrivateAttr(default_factory=dict)
     _registries: dict[tuple[str, str], ThreadCaches] = PrivateAttr(default_factory=dict)
     _registry_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
@@ -178,6 +192,29 @@ class ChatKVMemory(BaseChatModel):
                     runtime.loaded.model, runtime.loaded.tokenizer, self.repair_policy,
                     memory_budget_bytes=self.memory_budget_bytes, model_name=runtime.loaded.name)
             return self._registries[key]
+
+    def guard_for(self, model: str | None = None) -> FidelityGuard | None:
+        """The fidelity guard of ``model``'s threads (None when ``guard`` is not configured)."""
+        if self.guard is None:
+            return None
+        name = model or self.model
+        runtime = _runtime(name, self.dtype)
+        with self._registry_lock:
+            key = (name, self.dtype)
+            if key not in self._guards:
+                self._guards[key] = FidelityGuard(runtime.loaded.model, self.guard)
+            return self._guards[key]
+
+    def guard_summary(self, *, wait: bool = False) -> dict:
+        """The fidelity guard's summary for this model (samples, mean / max first-token KL in
+        nats, escalations and budget per thread; see :meth:`FidelityGuard.summary`). ``wait``:
+        first let running checks finish. Raises ValueError when ``guard`` is not configured."""
+        guard = self.guard_for()
+        if guard is None:
+            raise ValueError("the fidelity guard is off: construct ChatKVMemory(guard={'fraction': 0.1, ...})")
+        if wait:
+            guard.wait()
+        return guard.summary()
 
     @property
     def threads(self) -> ThreadCaches:
@@ -265,7 +302,14 @@ class ChatKVMemory(BaseChatModel):
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
         with self.threads_for(model_name).lease(thread_id) as session:
             session.tools = tools if runtime.template_tools else None
-            report = session.prepare(session_messages, policy=kwargs.get("repair_policy"))
+            guard = self.guard_for(model_name)
+            policy = RepairPolicy.coerce(kwargs.get("repair_policy") or session.policy)
+            if guard is not None:
+                policy = guard.policy_for(thread_id, policy)
+            report = session.prepare(session_messages, policy=policy, erase=kwargs.get("erase") or self.erase)
+            erased = _erase_everywhere(self.threads_for(model_name), thread_id, session, report)
+            if guard is not None:
+                guard.observe(thread_id, session, report)
             tokens = session.stream_tokens(max_tokens, temperature=float(kwargs.get("temperature", self.temperature)),
                                            seed=kwargs.get("seed", self.seed),
                                            logits_processor=processor(grammar) if grammar is not None else None)
@@ -289,6 +333,10 @@ class ChatKVMemory(BaseChatModel):
                 tokens.close()
             decode_ms = (time.perf_counter() - t0) * 1000.0
             result = self._result(watcher, report, reason, runtime, thread_id, decode_ms)
+            if erased is not None:
+                result["metadata"]["erase"] = erased
+            if guard is not None:
+                result["metadata"]["guard"] = {**guard.thread_info(thread_id), "policy": policy.label}
             if reason == "stop" and not watcher.stopped:
                 answer = AIMessage(id=message_id, content=result["content"], tool_calls=result["tool_calls"])
                 session.commit_answer(session_message(answer, runtime.template_tools))
@@ -461,6 +509,29 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
         raise ValueError(f"tool_choice names {name!r}, which is not a bound tool: use one of "
                          f"{', '.join(names)}, 'auto', 'any' or 'none'")
     return name
+
+
+def _erase_everywhere(registry: ThreadCaches, thread_id: str, session, report) -> dict | None:
+    """After a strict-erase repair: drop the thread's side caches and purge the erased messages
+    from every checkpoint store persisting ``registry``. Returns the response metadata entry."""
+    if report.erased is None:
+        return None
+    from .checkpointer import ERASERS  # the checkpointer imports this module's package
+
+    dropped = [tid for tid in registry.thread_ids if tid.startswith(thread_id + "/") and registry.drop(tid)]
+    stores, ids = [], session.take_erasures()
+    for saver in list(ERASERS.get(registry, ())):
+        try:
+            purge = saver.erase_messages(thread_id, ids, live_clean=True, during_run=True, recheck=True)
+            stores.append(purge.to_dict())
+        except Exception as exc:  # the answer still comes; the saver retries at its next put
+            saver._pending_erase.setdefault(thread_id, set()).update(ids)
+            log.warning("kvmemory: strict erase not purged from a checkpoint store yet (%s); retried at its next "
+                        "checkpoint", exc)
+            stores.append({"error": str(exc), "deferred": sorted(ids)})
+    if not stores:
+        session.pending_erasures.extend(ids)  # a saver attached later purges them at its first put
+    return {**report.erased, "side_caches_dropped": dropped, "stores": stores}
 
 
 def _with_thread(config, kwargs: dict[str, Any]) -> dict[str, Any]:

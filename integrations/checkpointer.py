@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import weakref
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence
@@ -41,9 +42,13 @@ from langgraph.checkpoint.base import (
 from kvmemory.threads import CacheState, CacheStateError, ThreadCaches
 
 from .blobs import BlobError, BlobRef, BlobStore
+from .erase import Erasure, EraseReport, current_versions, is_sqlite_saver, purge_generic, purge_sqlite, shred, \
+    sqlite_refs, tainted_blobs
 
 log = logging.getLogger(__name__)
 
+# registry -> savers persisting it: a chat model purges a strict erase through them at once
+ERASERS: "weakref.WeakKeyDictionary[ThreadCaches, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 CACHE_KEY = "kvmemory_cache"  # checkpoint metadata key holding {"sha256", "size", "tokens"}
 BLOB_DIR_SUFFIX = ".kvcache"  # <database file>.kvcache/ holds the blobs
 
@@ -106,6 +111,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
         self._stored: dict[str, tuple[tuple, BlobRef]] = {}  # thread id -> (state fingerprint, blob)
         self._rejected: set[tuple[str, str]] = set()  # (thread id, sha256) found unusable: not retried
+        self.erase_reports: dict[str, EraseReport] = {}  # thread id -> its last strict-erase purge
+        self._pending_erase: dict[str, set[str]] = {}  # ids erased but still in the thread's newest checkpoint
+        if self.threads is not None:
+            ERASERS.setdefault(self.threads, weakref.WeakSet()).add(self)
 
     # ------------------------------------------------------------ builders
     @classmethod
@@ -180,8 +189,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     def put(
         self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata, new_versions: ChannelVersions
     ) -> RunnableConfig:
-        """Store the thread's live cache as a blob, then the checkpoint (metadata names the blob)."""
-        return self.saver.put(config, checkpoint, self._with_cache_ref(config, metadata), new_versions)
+        """Store the thread's live cache as a blob, then the checkpoint (metadata names the blob).
+        Messages strictly erased from the thread's live cache are then purged from the store."""
+        stored = self.saver.put(config, checkpoint, self._with_cache_ref(config, metadata), new_versions)
+        self._purge_after_put(config)
+        return stored
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = "") -> None:
         """Delegated unchanged (pending writes hold no cache state)."""
@@ -221,7 +233,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """Async :meth:`put` (serialising and writing the blob run in a worker thread)."""
         if self._has_live_thread(config):  # serialising K/V is blocking file work: off the event loop
             metadata = await asyncio.to_thread(self._with_cache_ref, config, metadata)
-        return await self.saver.aput(config, checkpoint, metadata, new_versions)
+        stored = await self.saver.aput(config, checkpoint, metadata, new_versions)
+        if self._erasures_due(config):
+            await asyncio.to_thread(self._purge_after_put, config)
+        return stored
 
     async def aput_writes(
         self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str, task_path: str = ""
@@ -258,6 +273,99 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             stored = await self.saver.aput(config, tup.checkpoint, tup.metadata, tup.checkpoint["channel_versions"])
             for task_id, task_writes in writes:
                 await self.saver.aput_writes(stored, task_writes, task_id)
+
+    # ------------------------------------------------------------ strict erase
+    def erase_messages(self, thread_id: str, message_ids, *, live_clean: bool = False,
+                       during_run: bool = False, recheck: bool = False) -> EraseReport:
+        """Strict erase in the store: remove the messages ``message_ids`` of thread ``thread_id``
+        from every stored snapshot (see :mod:`langchain_kvmemory.erase`).
+
+        Checkpoints and pending writes holding them are rewritten without them (ids, parents and
+        every other message kept); KV blobs that may derive from them are overwritten, fsynced and
+        unlinked, and their references dropped; a SQLite database is vacuumed and its WAL
+        truncated. The version of a message that the thread's newest checkpoint still holds stays
+        (a message replaced in place keeps its new content; one only left out of a model call
+        stays whole) and its id is reported as ``deferred``; ``recheck`` (the chat model's call
+        during a run, when LangGraph may not have stored the removal yet) checks it again at the
+        next ``put``. A live cache of the thread that may hold an erased version (``live_clean``
+        False) is dropped; its next turn re-prefills. ``during_run`` (automatic purges): a saver
+        that cannot be rewritten atomically (not a SqliteSaver) is left alone and every id waits
+        in :meth:`pending_erasures` for a call on the idle thread.
+
+        Returns:
+            EraseReport (counts of checkpoints / writes rewritten, blobs deleted, deferred ids).
+        Raises:
+            sqlite3.Error / OSError: the store could not be rewritten (nothing is reported erased).
+        """
+        tid, ids = str(thread_id), {str(i) for i in message_ids}
+        report = EraseReport(tid, sorted(ids))
+        newest = self.saver.get_tuple({"configurable": {"thread_id": tid, "checkpoint_ns": ""}})
+        current = current_versions(newest.checkpoint["channel_values"], ids) if newest is not None else {}
+        report.deferred = sorted(current)
+        if during_run and not is_sqlite_saver(self.saver):
+            waiting = self._pending_erase.setdefault(tid, set())
+            fresh, report.deferred = ids - waiting, sorted(ids)
+            waiting.update(ids)
+            if fresh:
+                log.warning("kvmemory: %s cannot be rewritten atomically during a run: call erase_messages(%r, %s) "
+                            "while the thread is idle to purge the stored snapshots", type(self.saver).__name__, tid,
+                            sorted(ids))
+        else:
+            self._purge(tid, Erasure(frozenset(ids), current), live_clean, report)
+            pending = self._pending_erase.get(tid)
+            if pending is not None:
+                pending -= ids
+            if current and recheck:
+                self._pending_erase.setdefault(tid, set()).update(current)
+        self.erase_reports[tid] = report
+        log.info("kvmemory: strict erase of %s in thread %r: %d checkpoints and %d writes rewritten, %d blobs "
+                 "deleted%s", sorted(ids), tid, report.checkpoints_rewritten, report.writes_rewritten,
+                 len(report.blobs_deleted), f"; still in the graph state: {report.deferred}" if report.deferred else "")
+        return report
+
+    async def aerase_messages(self, thread_id: str, message_ids, *, live_clean: bool = False) -> EraseReport:
+        """Async :meth:`erase_messages` (runs in a worker thread; call it while the thread is idle)."""
+        return await asyncio.to_thread(self.erase_messages, thread_id, message_ids, live_clean=live_clean)
+
+    def pending_erasures(self, thread_id: str) -> list[str]:
+        """Ids strictly erased from the thread's cache whose stored snapshots are not purged yet."""
+        return sorted(self._pending_erase.get(str(thread_id), ()))
+
+    def _purge(self, tid: str, ids: Erasure, live_clean: bool, report: EraseReport) -> None:
+        sqlite = is_sqlite_saver(self.saver)
+        refs = sqlite_refs(self.saver, tid, CACHE_KEY) if sqlite else [
+            sha for t in self.saver.list({"configurable": {"thread_id": tid}}) if (sha := _sha_of(t.metadata))]
+        tainted = tainted_blobs(self.store, ids, refs)
+        (purge_sqlite if sqlite else purge_generic)(self.saver, tid, ids, tainted, CACHE_KEY, report)
+        report.blobs_deleted = sorted(sha for sha in tainted if shred(self.store, sha))
+        for key, (_, ref) in list(self._stored.items()):
+            if ref.sha256 in tainted:
+                self._stored.pop(key, None)
+        if self.threads is not None and not live_clean:
+            session = self.threads.session(tid) if tid in self.threads else None
+            held = [{"id": m.key, "content": m.content} for m in session.messages] if session is not None else []
+            if session is not None and (any(map(ids.hits_stored, held)) or session.exact_rows < len(session.token_ids)):
+                self.threads.drop(tid)
+
+    def _erasures_due(self, config: RunnableConfig) -> bool:
+        if not self._has_live_thread(config):
+            return False
+        tid = _thread_and_ns(config)[0]
+        return bool(self.threads.session(tid).pending_erasures or self._pending_erase.get(tid))
+
+    def _purge_after_put(self, config: RunnableConfig) -> None:
+        """After a root checkpoint of a live thread: purge what its cache strictly erased since."""
+        if not self._erasures_due(config):
+            return
+        tid = _thread_and_ns(config)[0]
+        ids = set(self.threads.session(tid).take_erasures()) | self._pending_erase.pop(tid, set())
+        if ids:
+            try:
+                self.erase_messages(tid, ids, live_clean=True, during_run=True)
+            except (OSError, sqlite3.Error) as exc:
+                self._pending_erase.setdefault(tid, set()).update(ids)
+                log.warning("kvmemory: strict erase of thread %r not purged from the store yet (%s); retried at "
+                            "the next checkpoint", tid, exc)
 
     # ----------------------------------------------------- blob housekeeping
     def collect_garbage(self, *, grace_s: float = 300.0) -> list[str]:
@@ -313,6 +421,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         tid = str(thread_id)
         self._stored.pop(tid, None)
         self.restore_failures.pop(tid, None)
+        self._pending_erase.pop(tid, None)
         if self.threads is not None:
             self.threads.drop(tid)
 
@@ -374,6 +483,11 @@ def _fingerprint(session) -> tuple:
     decoding adds token ids, an import replaces the cache object."""
     return (id(session.cache), len(session.token_ids), session.exact_rows, id(session.rendered),
             session.next_logits is None)
+
+
+def _sha_of(metadata) -> str | None:
+    ref = _ref_of(metadata)
+    return ref.sha256 if ref else None
 
 
 def _ref_of(metadata) -> BlobRef | None:

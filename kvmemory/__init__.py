@@ -1,5 +1,6 @@
 """kvmemory: live KV caches for agents, repaired by budgeted Semantic-Unit Refresh after edits."""
 
+from .guard import FidelityGuard, GuardConfig
 from .models import LoadedModel, ModelNotFoundError, load_model
 from .policy import RepairPolicy, RepairReport
 from .prompt import MessageError, TemplateError
@@ -7,7 +8,9 @@ from .session import ContextOverflowError, Generation, KVSession, UnknownMessage
 
 __all__ = [
     "ContextOverflowError",
+    "FidelityGuard",
     "Generation",
+    "GuardConfig",
     "KVSession",
     "LoadedModel",
     "MessageError",

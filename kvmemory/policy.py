@@ -13,6 +13,7 @@ from .selection import ALLOCATOR_NAMES
 Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
 Executor = Literal["auto", "packed", "sequential", "direct"]
 Backend = Literal["sdpa", "triton"]
+Erase = Literal["none", "strict"]
 
 
 class RepairPolicy(BaseModel):
@@ -31,6 +32,10 @@ class RepairPolicy(BaseModel):
     ``backend`` is the packed executor's attention: ``sdpa`` (default) or ``triton`` (GPU, or
     ``TRITON_INTERPRET=1``). Labels (``sur@5``) keep the defaults for both.
 
+    ``erase="strict"``: when an edit deletes or replaces a message, every row that could depend
+    on the removed text is recomputed (Replay from the edit point, whatever the operator) and
+    the old rows are overwritten in memory; ``"none"`` (default) repairs under the operator.
+
     Raises:
         pydantic.ValidationError (a ValueError): budget outside [0, 100], unknown allocator,
             executor or backend.
@@ -44,6 +49,7 @@ class RepairPolicy(BaseModel):
     seed: int = 0
     executor: Executor = "auto"
     backend: Backend = "sdpa"
+    erase: Erase = "none"
 
     @field_validator("budget")
     @classmethod
@@ -113,6 +119,8 @@ class RepairReport:
     ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not).
     ``executor`` names what computed the rows (``sequential``, ``direct``, ``packed-sdpa``,
     ``packed-triton``); ``executor_fallback`` says why the requested executor was replaced.
+    ``erased`` (strict erase only): ``{"mode", "messages" (ids), "from_row", "rows_recomputed",
+    "rows_overwritten", "boundary_rows_overwritten"}`` in rows; None when nothing was erased.
     """
 
     operator: str
@@ -135,6 +143,7 @@ class RepairReport:
     shift_ms: float = 0.0
     refresh_ms: float = 0.0
     latency_ms: float = 0.0
+    erased: dict | None = None  # strict erase: messages, from_row, rows_recomputed, rows_overwritten
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -74,6 +74,7 @@ class KVSession:
         self.max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # CacheReforge: per-layer adapter anchors + boundary states (inert without LoRA layers)
         self.reforge = ReforgeState(model, reforge)
+        self.pending_erasures: list[str] = []  # ids strictly erased here, not yet purged from a store
         self.reset()
 
     def _make_shifter(self) -> RotaryShifter | None:
@@ -112,11 +113,13 @@ class KVSession:
         other.token_ids = list(self.token_ids)
         other.next_logits = None if self.next_logits is None else self.next_logits.clone()
         other.reforge = self.reforge.clone()
+        other.pending_erasures = list(self.pending_erasures)
         return other
 
     # --------------------------------------------------------------- prepare
     def prepare(
-        self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, policy: RepairPolicy | None = None
+        self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, policy: RepairPolicy | None = None,
+        erase: str | None = None,
     ) -> RepairReport:
         """Bring the cache to ``messages`` (rendered with the chat template + generation prompt).
 
@@ -133,12 +136,16 @@ class KVSession:
             MessageError: malformed messages or an empty list.
             ContextOverflowError: the prompt does not fit the model's context.
             pydantic.ValidationError: an invalid policy.
+            ValueError: ``erase`` is not ``"strict"`` / ``"none"``, or strict erase with ``dirty``.
         The session is unchanged when an error is raised before repair starts; if the repair
         itself fails, the session resets (the next call re-prefills) and the error propagates.
         """
         t0 = time.perf_counter()
         policy = RepairPolicy.coerce(policy) if policy is not None else self.policy
         new_messages = normalize_messages(messages)
+        erased = self._erased_keys(new_messages, erase if erase is not None else policy.erase, policy)
+        if erased and policy.operator != "reprefill":
+            policy = policy.model_copy(update={"operator": "replay"})  # nothing after the edit point is reused
         if policy.operator == "dirty" and self.rendered is not None:
             new_messages = self._dirty_messages(new_messages)
         new, fallback = self._render(new_messages)
@@ -155,14 +162,20 @@ class KVSession:
             query_text=query,
         )
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
+        scrubbed = self._overwrite_from(min(plan.exact_prefix, len(new) - 1)) if erased else None
         try:
             with self.reforge.recording() as captures:
                 result = repair(ctx, self.cache, self.token_ids, new, plan, policy)
         except Exception:
             self.reset()
             raise
-        self.reforge.commit(captures, source_rows(plan), len(new), result.report.reused_tokens == 0, adapter)
+        kept = torch.arange(result.report.reused_tokens) if erased else source_rows(plan)
+        self.reforge.commit(captures, kept, len(new), result.report.reused_tokens == 0, adapter)
         report = result.report
+        if erased:
+            report.erased = {"mode": "strict", "messages": erased, "from_row": report.reused_tokens,
+                             "rows_recomputed": report.recomputed_tokens, **scrubbed}
+            self.pending_erasures.extend(k for k in erased if k not in self.pending_erasures)
         if fallback and plan.common_prefix < len(self.token_ids):  # only an edit loses segment reuse
             report.fallback = report.fallback or fallback
         report.latency_ms = (time.perf_counter() - t0) * 1000.0  # rendering and planning included
@@ -189,6 +202,30 @@ class KVSession:
             )
             return rendered, str(exc)
 
+    def _erased_keys(self, new_messages: list[ChatMessage], erase: str, policy: RepairPolicy) -> list[str]:
+        """Ids of held messages that ``new_messages`` delete or replace, under strict erase
+        (empty otherwise). Raises ValueError for an unknown mode or strict erase with ``dirty``."""
+        if erase not in ("none", "strict"):
+            raise ValueError(f"erase must be 'strict' or 'none' (got {erase!r})")
+        if erase == "none" or self.rendered is None:
+            return []
+        new = {m.key: m.content_hash for m in new_messages}
+        erased = [m.key for m in self.messages if new.get(m.key) != m.content_hash]
+        if erased and policy.operator == "dirty":
+            raise ValueError("erase='strict' recomputes what the deleted text influenced; the 'dirty' reference "
+                             "keeps it by design: use another operator or erase='none'")
+        return erased
+
+    def _overwrite_from(self, start: int) -> dict[str, int]:
+        """Zero the cached K/V rows ``[start, N)`` and the retained CacheReforge boundary rows
+        from ``start`` in place, so no copy of a state derived from erased text stays in memory
+        (the repair then recomputes them). Returns the row counts overwritten."""
+        rows = max(0, kvcache.cache_length(self.cache) - start)
+        for keys, values in kvcache.layer_tensors(self.cache):
+            keys[:, :, start:].zero_()
+            values[:, :, start:].zero_()
+        return {"rows_overwritten": rows, "boundary_rows_overwritten": self.reforge.overwrite_rows_from(start)}
+
     def _dirty_messages(self, new_messages: list[ChatMessage]) -> list[ChatMessage]:
         """Dirty reference: the cached messages unedited, plus the genuinely new ones."""
         old = self.messages
@@ -211,19 +248,29 @@ class KVSession:
         known = ", ".join(repr(m.key) for m in self.messages) or "none (call prepare first)"
         raise UnknownMessageError(f"no message with id {key!r} in this session; known ids: {known}")
 
-    def delete_message(self, key: str, *, policy: RepairPolicy | None = None) -> RepairReport:
-        """Delete the message with id ``key`` and repair. Raises UnknownMessageError."""
+    def delete_message(self, key: str, *, policy: RepairPolicy | None = None, erase: str | None = None) -> RepairReport:
+        """Delete the message with id ``key`` and repair (``erase="strict"``: see :meth:`prepare`).
+        Raises UnknownMessageError."""
         msgs = self.messages
         del msgs[self._index_of(key)]
-        return self.prepare(msgs, policy=policy)
+        return self.prepare(msgs, policy=policy, erase=erase)
 
-    def replace_message(self, key: str, content: str, *, policy: RepairPolicy | None = None) -> RepairReport:
-        """Give message ``key`` new content (same id) and repair. Raises UnknownMessageError."""
+    def replace_message(
+        self, key: str, content: str, *, policy: RepairPolicy | None = None, erase: str | None = None
+    ) -> RepairReport:
+        """Give message ``key`` new content (same id) and repair (``erase="strict"`` erases the
+        old content: see :meth:`prepare`). Raises UnknownMessageError."""
         msgs = self.messages
         i = self._index_of(key)
         old = msgs[i]
         msgs[i] = {"role": old.role, "content": content, "id": old.key, **old.extra}
-        return self.prepare(msgs, policy=policy)
+        return self.prepare(msgs, policy=policy, erase=erase)
+
+    def take_erasures(self) -> list[str]:
+        """Return and clear the ids strictly erased from this cache that a checkpoint store has
+        not purged yet (see ``KVCheckpointSaver.erase_messages``)."""
+        taken, self.pending_erasures = self.pending_erasures, []
+        return taken
 
     def insert_message(
         self, before_key: str, message: Mapping[str, Any], *, policy: RepairPolicy | None = None

@@ -126,6 +126,15 @@ class ReforgeState:
         other.boundaries = self.boundaries.clone()
         return other
 
+    def overwrite_rows_from(self, start: int) -> int:
+        """Zero the retained boundary rows ``[start, N)`` in place (strict erase: they may derive
+        from erased text). Returns the number of rows overwritten (summed over boundaries)."""
+        count = 0
+        for boundary in self.boundaries.states.values():
+            count += max(0, boundary.hidden.shape[1] - start)
+            boundary.hidden[:, start:].zero_()
+        return count
+
     def reset(self) -> None:
         self.anchors.clear()
         self.boundaries.clear()
