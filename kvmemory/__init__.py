@@ -1,5 +1,6 @@
 """kvmemory: live KV caches for agents, repaired by budgeted Semantic-Unit Refresh after edits."""
 
+from .errors import InputError, InputTypeError, KVMemoryError
 from .models import LoadedModel, ModelNotFoundError, load_model
 from .policy import RepairPolicy, RepairReport
 from .prompt import MessageError, TemplateError
@@ -8,6 +9,9 @@ from .session import ContextOverflowError, Generation, KVSession, UnknownMessage
 __all__ = [
     "ContextOverflowError",
     "Generation",
+    "InputError",
+    "InputTypeError",
+    "KVMemoryError",
     "KVSession",
     "LoadedModel",
     "MessageError",

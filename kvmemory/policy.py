@@ -110,7 +110,9 @@ class RepairReport:
     ``spans`` are the computed position intervals ``[a, b)``, ``intervals`` their count.
     ``latency_ms`` is the whole ``prepare`` call: rendering, planning, selection, Shift, refresh
     and query prefill, up to the first-token distribution.
-    ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not).
+    ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not): the
+    capability gate that applied (sliding windows, mrope, dynamic RoPE, quantized cache, ...).
+    ``capability_notes`` are model facts that change no result (e.g. mixture-of-experts).
     ``executor`` names what computed the rows (``sequential``, ``direct``, ``packed-sdpa``,
     ``packed-triton``); ``executor_fallback`` says why the requested executor was replaced.
     """
@@ -129,6 +131,7 @@ class RepairReport:
     edits: dict[str, int] = field(default_factory=dict)
     widened: list[str] = field(default_factory=list)
     fallback: str | None = None
+    capability_notes: list[str] = field(default_factory=list)
     executor: str | None = None
     executor_fallback: str | None = None
     selection_ms: float = 0.0
