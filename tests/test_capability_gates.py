@@ -220,3 +220,27 @@ def test_packaged_gemma3_sliding_window_edits_are_exact():
         row = example.measure(lm, turns)
         assert row["exact"], row
         assert "sliding_attention" in row["fallback"] and path in row["fallback"], row
+
+
+# --------------------------------------------- the gate reaches the log and LangChain
+def test_gate_is_logged_and_in_chat_response_metadata(tokenizer, caplog):
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from kvmemory.models import LoadedModel
+    from langchain_kvmemory import ChatKVMemory
+
+    loaded = LoadedModel(model=_gemma3(1024), tokenizer=tokenizer, name="tiny-gemma3-gates",
+                         path=Path("tiny-gemma3-gates"), dtype=torch.float32)
+    llm = ChatKVMemory(model=loaded, max_tokens=4)
+    cfg = {"configurable": {"thread_id": "gates"}}
+    turns = [HumanMessage("Ilse Marrow was born in Helmsford.", id="h1"), AIMessage("Noted.", id="a1"),
+             HumanMessage("Port Calder has three lighthouses.", id="h2"), AIMessage("Noted.", id="a2"),
+             HumanMessage("Where was Ilse Marrow born?", id="h3")]
+    llm.invoke(turns, cfg)
+    with caplog.at_level("WARNING", logger="kvmemory.session"):
+        edited = llm.invoke([m for m in turns if m.id not in ("h2", "a2")], cfg)  # delete in the middle
+    repair = edited.response_metadata["repair"]
+    assert "sliding" in repair["fallback"] and "Replay from token" in repair["fallback"]
+    assert repair["shifted_tokens"] == 0
+    assert any("sliding" in r.getMessage() for r in caplog.records)
+    llm.threads.session("gates").check_invariants()
