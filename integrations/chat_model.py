@@ -484,12 +484,7 @@ def _check_call_settings(policy, max_tokens, temperature, timeout) -> None:
             ``temperature`` negative / NaN / not a number, ``timeout`` <= 0.
     """
     if policy is not None:
-        try:
-            RepairPolicy.coerce(policy)
-        except TypeError as exc:
-            raise InputTypeError(str(exc)) from exc
-        except ValueError as exc:
-            raise InputError(str(exc)) from exc
+        RepairPolicy.coerce(policy)
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
         raise InputError(f"max_tokens must be an int >= 1 (got {max_tokens!r})")
     for name, value in (("temperature", temperature), ("timeout", timeout)):

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .errors import InputError, InputTypeError
 from .selection import ALLOCATOR_NAMES
 
 Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
@@ -68,13 +69,13 @@ class RepairPolicy(BaseModel):
         ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``).
 
         Raises:
-            TypeError: neither a RepairPolicy nor a str.
-            ValueError: an unknown label, budget or allocator.
+            InputTypeError (TypeError): neither a RepairPolicy nor a str.
+            InputError (ValueError): an unknown label, budget (outside [0, 100], NaN) or allocator.
         """
         if isinstance(policy, cls):
             return policy
         if not isinstance(policy, str):
-            raise TypeError(f"policy must be a RepairPolicy or a label like 'sur@5', got {type(policy).__name__}")
+            raise InputTypeError(f"policy must be a RepairPolicy or a label like 'sur@5', got {type(policy).__name__}")
         if policy in ("dirty", "shift", "replay", "reprefill", "refresh"):
             return cls(operator=policy)
         allocator, at, budget = policy.partition("@")
@@ -82,7 +83,7 @@ class RepairPolicy(BaseModel):
             return cls(operator="refresh", allocator=allocator, budget=float(budget)) if at else cls(allocator=policy)
         except ValueError as exc:
             detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-            raise ValueError(
+            raise InputError(
                 f"bad policy label {policy!r} ({detail}): use dirty, shift, replay, reprefill or "
                 "<allocator>@<budget> such as sur@5"
             ) from exc

@@ -20,7 +20,7 @@ from transformers.cache_utils import Cache
 from . import kvcache
 from .capabilities import Capabilities, cache_unsupported_reason
 from .edits import EditPlan
-from .errors import InputError, InputTypeError
+from .errors import InputError
 from .execution import run_sequential
 from .executors import choose_executor, executor_label, run_refresh
 from .policy import RepairPolicy, RepairReport
@@ -84,7 +84,7 @@ def repair(
         ValueError: from the executor if the plan does not cover every position (a bug).
     """
     t0 = time.perf_counter()
-    policy = _checked_policy(policy)
+    policy = RepairPolicy.coerce(policy)
     _check_inputs(cache, cached_ids, new, plan)
     ids = torch.tensor(new.token_ids, dtype=torch.long)
     report = RepairReport(
@@ -124,15 +124,6 @@ def repair(
             result = _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report)
     report.latency_ms = _ms(t0)
     return result
-
-
-def _checked_policy(policy) -> RepairPolicy:
-    try:
-        return RepairPolicy.coerce(policy)
-    except TypeError as exc:
-        raise InputTypeError(str(exc)) from exc
-    except ValueError as exc:
-        raise InputError(str(exc)) from exc
 
 
 def _check_inputs(cache, cached_ids, new: RenderedPrompt, plan: EditPlan) -> None:

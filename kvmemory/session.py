@@ -72,7 +72,7 @@ class KVSession:
         self.model = model
         self.tokenizer = tokenizer
         self.cache_factory = cache_factory or kvcache.new_cache
-        self.policy = _coerce_policy(policy) if policy is not None else RepairPolicy()
+        self.policy = RepairPolicy.coerce(policy) if policy is not None else RepairPolicy()
         self.tools = tools
         self.capabilities = model_capabilities(model.config)  # static facts, reported to callers
         self._shifter = self._make_shifter()
@@ -146,7 +146,7 @@ class KVSession:
         itself fails, the session resets (the next call re-prefills) and the error propagates.
         """
         t0 = time.perf_counter()
-        policy = _coerce_policy(policy) if policy is not None else self.policy
+        policy = RepairPolicy.coerce(policy) if policy is not None else self.policy
         new_messages = normalize_messages(messages)
         if policy.operator == "dirty" and self.rendered is not None:
             new_messages = self._dirty_messages(new_messages)
@@ -393,15 +393,6 @@ class KVSession:
                 fresh, _ = self._render(list(self.rendered.messages), previous=None)
             n = len(fresh.token_ids)
             assert tuple(self.token_ids[:n]) == fresh.token_ids, "cached ids differ from the messages' tokenization"
-
-
-def _coerce_policy(policy) -> RepairPolicy:
-    try:
-        return RepairPolicy.coerce(policy)
-    except TypeError as exc:
-        raise InputTypeError(str(exc)) from exc
-    except ValueError as exc:  # pydantic's ValidationError included
-        raise InputError(str(exc)) from exc
 
 
 def _check_model_and_tokenizer(model, tokenizer) -> None:
