@@ -244,3 +244,18 @@ def test_gate_is_logged_and_in_chat_response_metadata(tokenizer, caplog):
     assert repair["shifted_tokens"] == 0
     assert any("sliding" in r.getMessage() for r in caplog.records)
     llm.threads.session("gates").check_invariants()
+
+
+@pytest.mark.parametrize("factory", ["sliding", "fp8"])
+def test_gated_caches_are_not_exported_row_for_row(factory, tokenizer):
+    """A checkpointed thread whose cache cannot be stored row for row re-prefills after a restore
+    (the checkpointer logs the CacheStateError) instead of loading a partial cache."""
+    from kvmemory.threads import CacheStateError, export_state
+
+    if factory == "sliding":
+        s = KVSession(_gemma3(1024), tokenizer)
+    else:
+        s = KVSession(_build(tiny_config("llama")), tokenizer, cache_factory=_fp8)
+    s.prepare(history())
+    with pytest.raises(CacheStateError, match="re-prefills"):
+        export_state(s)
