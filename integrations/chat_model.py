@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from pydantic import Field, PrivateAttr, model_validator
 import torch
 
 from kvmemory.guard import FidelityGuard, GuardConfig
+from kvmemory.errors import InputError, InputTypeError, MessageError
 from kvmemory.models import LoadedModel, load_model
 from kvmemory.policy import RepairPolicy
 from kvmemory.threads import ThreadCaches
@@ -46,7 +48,8 @@ from .tool_calls import CALL_OPEN, split_calls, template_renders_tools
 log = logging.getLogger(__name__)
 
 REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_tokens", "recomputed_tokens",
-               "refreshed_tokens", "stale_tokens", "shifted_tokens", "intervals", "edits", "fallback", "latency_ms")
+               "refreshed_tokens", "stale_tokens", "shifted_tokens", "intervals", "edits", "fallback",
+               "capability_notes", "executor", "executor_fallback", "latency_ms")
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -150,9 +153,8 @@ class ChatKVMemory(BaseChatModel):
 
     @model_validator(mode="after")
     def _check_settings(self) -> "ChatKVMemory":
-        RepairPolicy.coerce(self.repair_policy)  # a bad label fails at construction, naming the fix
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        # bad settings fail at construction, naming the fix (pydantic wraps them in a ValidationError)
+        _check_call_settings(self.repair_policy, self.max_tokens, self.temperature, self.timeout)
         return self
 
     # ------------------------------------------------------------ identity
@@ -284,7 +286,10 @@ class ChatKVMemory(BaseChatModel):
         events for streamable text and one final ``("end", result)``. An answer that ended with
         an end-of-turn token is then held in the cache as a message with id ``message_id``."""
         if not messages:
-            raise ValueError("no messages: pass at least one message (e.g. a HumanMessage)")
+            raise MessageError("no messages: pass at least one message (e.g. a HumanMessage)")
+        # per-call settings are checked before the thread's session is touched (it stays as it was)
+        _check_call_settings(kwargs.get("repair_policy"), kwargs.get("max_tokens"), kwargs.get("temperature"),
+                             kwargs.get("timeout"))
         model_name = kwargs.get("model") or self.model
         runtime = _runtime(model_name, self.dtype)
         tools = kwargs.get("tools") or None
@@ -386,9 +391,17 @@ class ChatKVMemory(BaseChatModel):
                 call). Forced calls are decoded under an xgrammar grammar, so they always parse.
 
         Raises:
-            ValueError: ``tool_choice`` names a tool that is not bound.
+            InputTypeError: ``tools`` is not a list. InputError: a tool LangChain cannot convert, or
+                ``tool_choice`` names a tool that is not bound.
         """
-        formatted = [convert_to_openai_tool(t) for t in tools]
+        if isinstance(tools, (str, dict)) or not isinstance(tools, Sequence):
+            raise InputTypeError(f"tools must be a list of tools (got {type(tools).__name__}): wrap it, e.g. [my_tool]")
+        formatted = []
+        for i, tool in enumerate(tools):
+            try:
+                formatted.append(convert_to_openai_tool(tool))
+            except (ValueError, TypeError) as exc:
+                raise InputError(f"tool {i} ({type(tool).__name__}) cannot be bound: {exc}".strip()) from exc
         kwargs["tool_choice"] = _tool_choice(tool_choice, formatted)
         return super().bind(tools=formatted, **kwargs)
 
@@ -532,6 +545,28 @@ def _erase_everywhere(registry: ThreadCaches, thread_id: str, session, report) -
     if not stores:
         session.pending_erasures.extend(ids)  # a saver attached later purges them at its first put
     return {**report.erased, "side_caches_dropped": dropped, "stores": stores}
+
+
+def _check_call_settings(policy, max_tokens, temperature, timeout) -> None:
+    """Refuse unusable decoding settings (None: not given) with the fix named.
+
+    Raises:
+        InputError / InputTypeError: a bad policy label, ``max_tokens`` < 1 or not an int,
+            ``temperature`` negative / NaN / not a number, ``timeout`` <= 0.
+    """
+    if policy is not None:
+        RepairPolicy.coerce(policy)
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise InputError(f"max_tokens must be an int >= 1 (got {max_tokens!r})")
+    for name, value in (("temperature", temperature), ("timeout", timeout)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputTypeError(f"{name} must be a number (got {type(value).__name__})")
+        if not math.isfinite(value) or value < 0 or (name == "timeout" and value == 0):
+            hint = "0 decodes greedily" if name == "temperature" else "seconds of decoding, > 0, or None for no limit"
+            raise InputError(f"{name} must be a finite number {'>= 0' if name == 'temperature' else '> 0'} "
+                             f"(got {value}): {hint}")
 
 
 def _with_thread(config, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from langgraph.checkpoint.base import (
     CheckpointTuple,
 )
 
+from kvmemory.errors import InputError, InputTypeError
 from kvmemory.threads import CacheState, CacheStateError, ThreadCaches
 
 from .blobs import BlobError, BlobRef, BlobStore
@@ -93,6 +94,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     Raises:
         ValueError: no ``blob_dir`` and none can be derived from ``saver``.
         TypeError: ``caches`` has no thread registry.
+        InputTypeError (TypeError): ``saver`` is not a LangGraph checkpoint saver.
+        InputError (ValueError): ``search_depth`` not an int >= 1, or ``blob_dir`` is a file.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         blob_dir: str | Path | None = None,
         search_depth: int = 8,
     ):
+        _check_saver_arguments(saver, blob_dir, search_depth)
         super().__init__(serde=saver.serde)
         self.saver = saver
         self.threads = registry_of(caches) if caches is not None else None
@@ -517,6 +521,18 @@ def _copied(tup: CheckpointTuple, target: str) -> tuple[RunnableConfig, list[tup
 def _thread_config(tup: CheckpointTuple) -> RunnableConfig:
     tid, ns = _thread_and_ns(tup.config)
     return {"configurable": {"thread_id": tid, "checkpoint_ns": ns}}
+
+
+def _check_saver_arguments(saver, blob_dir, search_depth) -> None:
+    if not isinstance(saver, BaseCheckpointSaver):
+        raise InputTypeError(
+            f"saver must be a LangGraph checkpoint saver (got {type(saver).__name__}): e.g. "
+            "KVCheckpointSaver.from_sqlite(path, llm) or KVCheckpointSaver(SqliteSaver(conn), llm, blob_dir=...)"
+        )
+    if isinstance(search_depth, bool) or not isinstance(search_depth, int) or search_depth < 1:
+        raise InputError(f"search_depth must be an int >= 1 (got {search_depth!r})")
+    if blob_dir is not None and Path(blob_dir).is_file():
+        raise InputError(f"blob_dir {blob_dir} is a file: pass a folder (created if missing) for the cache blobs")
 
 
 def _blob_dir_for(path: str | Path) -> Path:

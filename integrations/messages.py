@@ -11,12 +11,14 @@ from typing import Any, Sequence
 
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
 
+from kvmemory.errors import MessageError
+
 from .tool_calls import DEFAULT_SYSTEM, format_call, schema_block, tools_block
 
 TOOLS_SYSTEM_ID = "kvmemory:tools-system"
 
 
-class UnsupportedContentError(ValueError):
+class UnsupportedContentError(MessageError):
     """A message holds content the text-only model cannot read (image, audio, file ...)."""
 
 
@@ -30,8 +32,13 @@ def text_of(message: BaseMessage) -> str:
     for block in content:
         if isinstance(block, str):
             parts.append(block)
+        elif not isinstance(block, dict):
+            raise UnsupportedContentError(
+                f"a {type(message).__name__} holds a {type(block).__name__} content block: pass strings or "
+                '{"type": "text", "text": ...} blocks'
+            )
         elif block.get("type") == "text":
-            parts.append(block.get("text", ""))
+            parts.append(str(block.get("text", "")))
         elif block.get("type") in ("tool_use", "tool_call", "function_call", "reasoning", "thinking"):
             continue  # carried elsewhere (tool_calls) or not part of the prompt
         else:
@@ -89,7 +96,7 @@ def _convert(message: BaseMessage, template_tools: bool) -> dict[str, Any]:
         if template_tools:
             out["tool_call_id"] = message.tool_call_id
     else:
-        raise ValueError(f"unsupported message type {type(message).__name__}: use System/Human/AI/Tool messages")
+        raise MessageError(f"unsupported message type {type(message).__name__}: use System/Human/AI/Tool messages")
     if message.id:
         out["id"] = message.id
     return out

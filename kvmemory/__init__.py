@@ -1,6 +1,7 @@
 """kvmemory: live KV caches for agents, repaired by budgeted Semantic-Unit Refresh after edits."""
 
 from .guard import FidelityGuard, GuardConfig
+from .errors import InputError, InputTypeError, KVMemoryError
 from .models import LoadedModel, ModelNotFoundError, load_model
 from .policy import RepairPolicy, RepairReport
 from .prompt import MessageError, TemplateError
@@ -11,6 +12,9 @@ __all__ = [
     "FidelityGuard",
     "Generation",
     "GuardConfig",
+    "InputError",
+    "InputTypeError",
+    "KVMemoryError",
     "KVSession",
     "LoadedModel",
     "MessageError",

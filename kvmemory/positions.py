@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InputTypeError
+
 # rope types whose angle for position i depends only on i (not on the sequence length), so that
 # R_{i-d} R_i^{-1} is a fixed rotation by -d. longrope is static only on one side of its
 # original_max_position_embeddings (transformers switches factor sets by sequence length).
@@ -203,11 +205,17 @@ class RotaryShifter:
             device.
 
         Raises:
+            InputTypeError (TypeError): positions that are not integer tensors.
             ValueError: positions are not 1-D of equal length, or are negative, or ``layer_type``
                 is missing/unknown for a per-layer-type model.
             ShiftUnsupportedError: longrope with old and new positions on different sides of
                 ``original_max_position_embeddings``.
         """
+        for name, pos in (("old_positions", old_positions), ("new_positions", new_positions)):
+            if not isinstance(pos, torch.Tensor) or pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
+                got = pos.dtype if isinstance(pos, torch.Tensor) else type(pos).__name__
+                raise InputTypeError(f"{name} must be an integer tensor of token positions (got {got}): "
+                                     "use torch.tensor(..., dtype=torch.long)")
         if old_positions.dim() != 1 or old_positions.shape != new_positions.shape:
             raise ValueError(
                 f"positions must be 1-D of equal length, got {tuple(old_positions.shape)} and "
@@ -256,9 +264,12 @@ class RotaryShifter:
             A new tensor shaped and typed like ``keys``; ``keys`` is not modified.
 
         Raises:
+            InputTypeError (TypeError): ``keys`` is not floating point.
             ValueError: ``keys`` is not 4-D or its (n, head_dim) do not match ``coeffs``.
         """
         n, half = coeffs.cos_delta.shape
+        if not keys.dtype.is_floating_point:
+            raise InputTypeError(f"keys must be a floating-point tensor (got {keys.dtype}): pass the cache's K rows")
         if keys.dim() != 4 or tuple(keys.shape[-2:]) != (n, 2 * half):
             raise ValueError(
                 f"keys must be [batch, kv_heads, n, head_dim] with (n, head_dim)={(n, 2 * half)}, "

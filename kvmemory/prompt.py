@@ -14,11 +14,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from .errors import MessageError
+
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class MessageError(ValueError):
-    """A message cannot be used as given; the text names the fix."""
 
 
 class TemplateError(ValueError):
@@ -52,8 +50,9 @@ def normalize_messages(messages: Sequence[Mapping[str, Any] | ChatMessage]) -> l
     """Validate ``[{"role", "content", "id"?, ...}, ...]`` and give each message its key.
 
     Raises:
-        MessageError: not a list, empty list, a non-mapping item, unknown role, non-string
-            content, or a duplicated id.
+        MessageError: not a list, empty list, a non-mapping item, missing/unknown role, missing
+            or non-text content (lists of text blocks are joined, see :func:`message_text`), an id
+            that is not a str/int, or a duplicated id.
     """
     if isinstance(messages, (str, bytes, Mapping)):
         raise MessageError(
@@ -70,17 +69,16 @@ def normalize_messages(messages: Sequence[Mapping[str, Any] | ChatMessage]) -> l
             msg = {"role": msg.role, "content": msg.content, "id": msg.key, **msg.extra}
         if not isinstance(msg, Mapping):
             raise MessageError(f"message {i} is a {type(msg).__name__}: pass a dict with 'role' and 'content'")
-        role, content = msg.get("role"), msg.get("content")
+        role = msg.get("role")
         if role not in ROLES:
-            raise MessageError(f"message {i} has role {role!r}: use one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise MessageError(
-                f"message {i} has {type(content).__name__} content: pass the text as a string "
-                "(join multi-part content into one string first)"
-            )
+            what = "no 'role'" if "role" not in msg else f"role {role!r}"
+            raise MessageError(f"message {i} has {what}: use one of {', '.join(ROLES)}")
+        content = message_text(msg, i)
         extra = {k: v for k, v in msg.items() if k not in ("role", "content", "id")}
         mid = msg.get("id")
         if mid is not None:
+            if not isinstance(mid, (str, int)) or isinstance(mid, bool):
+                raise MessageError(f"message {i} has a {type(mid).__name__} id: ids are strings (or ints)")
             mid = str(mid)
             if mid in seen_ids:
                 raise MessageError(f"message id {mid!r} appears twice: ids must be unique within a history")
@@ -92,6 +90,42 @@ def normalize_messages(messages: Sequence[Mapping[str, Any] | ChatMessage]) -> l
             key = f"{role}:{digest}#{anonymous[digest]}"
         out.append(ChatMessage(role=role, content=content, key=key, extra=extra))
     return out
+
+
+def message_text(msg: Mapping[str, Any], index: int = 0) -> str:
+    """The text of a message dict: a string, or a list of content blocks as LangChain and OpenAI
+    write them (strings and ``{"type": "text", "text": ...}``, joined). A missing/None content is
+    accepted only on an assistant message carrying ``tool_calls``.
+
+    Raises:
+        MessageError: no content, a non-text block (image, audio, ...), or another type.
+    """
+    content = msg.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None:
+        if msg.get("role") == "assistant" and msg.get("tool_calls"):
+            return ""
+        what = "no 'content'" if "content" not in msg else "content None"
+        raise MessageError(f"message {index} has {what}: give it a text 'content' (an empty string is allowed)")
+    if isinstance(content, (list, tuple)):
+        parts = []
+        for block in content:
+            if isinstance(block, str):
+                parts.append(block)
+            elif isinstance(block, Mapping) and block.get("type") == "text" and isinstance(block.get("text"), str):
+                parts.append(block["text"])
+            else:
+                kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
+                raise MessageError(
+                    f"message {index} holds a {kind!r} content block: kvmemory reads text only; pass strings or "
+                    '{"type": "text", "text": ...} blocks (describe or transcribe other media first)'
+                )
+        return "".join(parts)
+    raise MessageError(
+        f"message {index} has {type(content).__name__} content: pass the text as a string "
+        '(or a list of {"type": "text", "text": ...} blocks)'
+    )
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
 from . import kvcache
-from .capabilities import Capabilities
+from .capabilities import Capabilities, cache_unsupported_reason
 from .edits import EditPlan
+from .errors import InputError
 from .execution import run_sequential
 from .executors import choose_executor, executor_label, run_refresh
 from .policy import RepairPolicy, RepairReport
@@ -39,13 +42,16 @@ class RepairResult:
 
 @dataclass
 class RepairContext:
-    """What a repair needs besides the plan: the model and what it can do."""
+    """What a repair needs besides the plan: the model and what it can do. ``new_cache`` makes
+    the empty cache a Re-prefill fills (default: ``kvcache.new_cache(model.config)``), so that a
+    session on a quantized cache stays on one."""
 
     model: torch.nn.Module
     capabilities: Capabilities
     shifter: RotaryShifter | None
     query_ids: list[int]
     query_text: str
+    new_cache: Callable[[], Cache] | None = None
 
 
 def _ms(t0: float) -> float:
@@ -62,13 +68,24 @@ def repair(
 ) -> RepairResult:
     """Repair ``cache`` (rows for ``cached_ids``; modified or replaced) into the cache of ``new``.
 
-    Falls back to exact recomputation, and says why in ``report.fallback``, when the model's
-    rows cannot be spliced (sliding windows, ...) or its keys cannot be rotated (dynamic RoPE).
+    Falls back to exact recomputation, and says why in ``report.fallback``, when a capability
+    gate applies (see ``capabilities.py``): rows that cannot be spliced (sliding windows, mrope,
+    a quantized cache) are replayed from the first changed token where that is exact, else
+    re-prefilled; keys that cannot be rotated (dynamic RoPE) are replayed instead of shifted.
+
+    Args:
+        cache: ``len(cached_ids)`` rows; ``cached_ids`` the token ids they were computed for.
+        new: the rendered new prompt (N tokens); ``plan``: ``plan_edits(cached_ids, ..., new)``.
+        policy: a RepairPolicy or its label (``"sur@5"``, ``"replay"``, ...).
 
     Raises:
+        InputError (ValueError): the cache length differs from ``len(cached_ids)``, the plan was
+            made for another prompt, or a bad policy label. InputTypeError: ``policy`` of another type.
         ValueError: from the executor if the plan does not cover every position (a bug).
     """
     t0 = time.perf_counter()
+    policy = RepairPolicy.coerce(policy)
+    _check_inputs(cache, cached_ids, new, plan)
     ids = torch.tensor(new.token_ids, dtype=torch.long)
     report = RepairReport(
         operator=policy.operator,
@@ -81,12 +98,19 @@ def repair(
         edits={k: plan.count(k) for k in ("keep", "delete", "replace", "insert", "append") if plan.count(k)},
         widened=list(plan.widened),
     )
+    report.capability_notes = list(ctx.capabilities.notes)
     # any cached row dropped, moved or rewritten? (the last prompt token is always recomputed)
     spliced = min(plan.exact_prefix, len(new) - 1) < len(cached_ids)
-    if policy.operator == "reprefill" or (spliced and ctx.capabilities.row_reuse_reason):
-        if policy.operator != "reprefill":
-            report.fallback = ctx.capabilities.row_reuse_reason
-        result = _reprefill(ctx.model, ids, report)
+    cache_gate = cache_unsupported_reason(cache)
+    gate = cache_gate or ctx.capabilities.row_reuse_reason
+    if policy.operator == "reprefill" or (spliced and gate):
+        if policy.operator != "reprefill" and not cache_gate and ctx.capabilities.replay_exact(len(cached_ids)):
+            result = _replay(ctx.model, cache, ids, plan, report)  # every row it attends to is still held
+            report.fallback = f"{gate} [this edit: Replay from token {report.spans[0][0]}]"
+        else:
+            result = _reprefill(ctx, ids, report)
+            if policy.operator != "reprefill":
+                report.fallback = f"{gate} [this edit: Re-prefill]"
     else:
         budget = policy.effective_budget
         moved = any(n != o for n, o, _ in plan.reuse)
@@ -102,9 +126,24 @@ def repair(
     return result
 
 
-def _reprefill(model, ids: torch.Tensor, report: RepairReport) -> RepairResult:
+def _check_inputs(cache, cached_ids, new: RenderedPrompt, plan: EditPlan) -> None:
+    rows = kvcache.cache_length(cache)
+    if rows != len(cached_ids):
+        raise InputError(
+            f"the cache holds {rows} rows but cached_ids has {len(cached_ids)} ids: pass the ids the rows were "
+            "computed for (KVSession.token_ids)"
+        )
+    if plan.new_length != len(new):
+        raise InputError(
+            f"the plan was made for a {plan.new_length}-token prompt but the new prompt has {len(new)}: "
+            "build it with plan_edits(cached_ids, old, new)"
+        )
+
+
+def _reprefill(ctx: RepairContext, ids: torch.Tensor, report: RepairReport) -> RepairResult:
     t0 = time.perf_counter()
-    cache = kvcache.new_cache(model.config)
+    model = ctx.model
+    cache = ctx.new_cache() if ctx.new_cache is not None else kvcache.new_cache(model.config)
     out = run_sequential(model, cache, ids, [(0, ids.shape[0])])
     report.recomputed_tokens = ids.shape[0]
     report.intervals, report.spans, report.executor = 1, [(0, ids.shape[0])], "sequential"

@@ -4,6 +4,7 @@ that keep them in step with an edited message list."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -13,6 +14,7 @@ import torch
 from . import kvcache
 from .capabilities import model_capabilities
 from .edits import plan_edits
+from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
 from .execution import forward_rows
 from .policy import RepairPolicy, RepairReport
 from .positions import RotaryShifter, ShiftUnsupportedError
@@ -24,17 +26,6 @@ log = logging.getLogger(__name__)
 
 # transformers' LogitsProcessor convention: (input_ids [1, L], scores [1, vocab]) -> scores
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class UnknownMessageError(KeyError):
-    """An edit names a message id the session does not hold."""
-
-    def __str__(self) -> str:  # KeyError would print the repr of its argument
-        return str(self.args[0])
-
-
-class ContextOverflowError(ValueError):
-    """The prompt plus the requested answer does not fit in the model's context window."""
 
 
 @dataclass
@@ -63,10 +54,24 @@ class KVSession:
 
     def __init__(
         self, model, tokenizer, policy: RepairPolicy | str | None = None, *, tools: list | None = None,
-        reforge: ReforgeConfig | None = None,
+        reforge: ReforgeConfig | None = None, cache_factory: Callable[[Any], Any] | None = None,
     ):
+        """Args:
+            model: a transformers causal LM (eval mode); tokenizer: its tokenizer, with a chat template.
+            policy: RepairPolicy or label (``"sur@5"`` default). ``tools``: OpenAI-format tools
+            for the chat template. ``reforge``: CacheReforge settings.
+            cache_factory: ``config -> Cache`` for the empty cache (default: a DynamicCache laid
+                out for the config), e.g. ``lambda c: QuantizedCache("fp8", c)``. A cache whose
+                layers are not plain tensors is never spliced: edits re-prefill (reported).
+
+        Raises:
+            InputTypeError: ``model`` has no transformers config or ``tokenizer`` cannot render chats.
+            InputError: the tokenizer has no chat template (base models), or a bad policy label.
+        """
+        _check_model_and_tokenizer(model, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
+        self.cache_factory = cache_factory or kvcache.new_cache
         self.policy = RepairPolicy.coerce(policy) if policy is not None else RepairPolicy()
         self.tools = tools
         self.capabilities = model_capabilities(model.config)  # static facts, reported to callers
@@ -86,7 +91,7 @@ class KVSession:
     # ----------------------------------------------------------------- state
     def reset(self) -> None:
         """Forget everything (the next ``prepare`` re-prefills)."""
-        self.cache = kvcache.new_cache(self.model.config)
+        self.cache = self._new_cache()
         self.token_ids: list[int] = []
         self.exact_rows = 0  # leading rows equal to a Re-prefill; rows after it are stale
         self.rendered: RenderedPrompt | None = None
@@ -94,6 +99,9 @@ class KVSession:
         self.last_report: RepairReport | None = None
         self.answer_committed = False  # rendered holds the last answer as a message (no generation prompt)
         self.reforge.reset()
+
+    def _new_cache(self):
+        return self.cache_factory(self.model.config)
 
     @property
     def messages(self) -> list[ChatMessage]:
@@ -134,8 +142,9 @@ class KVSession:
 
         Raises:
             MessageError: malformed messages or an empty list.
-            ContextOverflowError: the prompt does not fit the model's context.
-            pydantic.ValidationError: an invalid policy.
+            ContextOverflowError: the prompt does not fit the model's context (checked after
+                tokenizing, before any forward).
+            InputError / InputTypeError: an invalid policy or policy label.
             ValueError: ``erase`` is not ``"strict"`` / ``"none"``, or strict erase with ``dirty``.
         The session is unchanged when an error is raised before repair starts; if the repair
         itself fails, the session resets (the next call re-prefills) and the error propagates.
@@ -160,6 +169,7 @@ class KVSession:
             shifter=self._shifter,
             query_ids=self.tokenizer(query, add_special_tokens=False)["input_ids"] or list(new.token_ids[-1:]),
             query_text=query,
+            new_cache=self._new_cache,
         )
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
         scrubbed = self._overwrite_from(min(plan.exact_prefix, len(new) - 1)) if erased else None
@@ -297,7 +307,8 @@ class KVSession:
         transformers ``LogitsProcessor`` call convention (see :meth:`stream_tokens`).
 
         Raises:
-            ValueError: ``max_new_tokens`` < 1.
+            InputError / InputTypeError: ``max_new_tokens`` not an int >= 1, ``temperature`` not a
+                finite number >= 0, ``seed`` not an int, ``logits_processor`` not callable.
             RuntimeError: nothing to continue: no ``prepare`` yet, or the answer already ended
                 with an end-of-turn token (call ``prepare`` with the next messages).
             ContextOverflowError: no room left in the model's context.
@@ -337,8 +348,7 @@ class KVSession:
             ValueError, RuntimeError, ContextOverflowError: as :meth:`generate`, when the
                 iteration starts.
         """
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+        _check_decoding(max_new_tokens, temperature, seed, logits_processor)
         if self.next_logits is None:
             raise RuntimeError("call prepare(messages) before generate(): the cache has no pending prompt")
         self._check_fits(len(self.token_ids))
@@ -431,6 +441,36 @@ class KVSession:
                 fresh, _ = self._render(list(self.rendered.messages), previous=None)
             n = len(fresh.token_ids)
             assert tuple(self.token_ids[:n]) == fresh.token_ids, "cached ids differ from the messages' tokenization"
+
+
+def _check_model_and_tokenizer(model, tokenizer) -> None:
+    if not hasattr(getattr(model, "config", None), "get_text_config"):
+        raise InputTypeError(
+            f"model must be a transformers causal LM (got {type(model).__name__}): load one with "
+            "kvmemory.load_model(...).model or AutoModelForCausalLM.from_pretrained"
+        )
+    if not callable(getattr(tokenizer, "apply_chat_template", None)):
+        raise InputTypeError(f"tokenizer must be a transformers tokenizer (got {type(tokenizer).__name__})")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError(
+            "the tokenizer has no chat template (base models ship none): set tokenizer.chat_template to a Jinja "
+            "template (e.g. one from an instruct model of the same family) before creating the session"
+        )
+
+
+def _check_decoding(max_new_tokens, temperature, seed, logits_processor) -> None:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        raise InputTypeError(f"max_new_tokens must be an int (got {type(max_new_tokens).__name__})")
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise InputTypeError(f"temperature must be a number (got {type(temperature).__name__})")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InputError(f"temperature must be a finite number >= 0 (got {temperature}); 0 decodes greedily")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise InputTypeError(f"seed must be an int or None (got {type(seed).__name__})")
+    if logits_processor is not None and not callable(logits_processor):
+        raise InputTypeError("logits_processor must be callable as processor(input_ids, scores)")
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator) -> int:

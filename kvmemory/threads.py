@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from . import kvcache
 from .policy import RepairPolicy
@@ -124,10 +125,15 @@ def export_state(session: KVSession, model_name: str = "") -> CacheState:
     """Detached copy of ``session``'s cache state (K/V cloned: later repairs never alter it).
 
     Raises:
-        CacheStateError: the session holds no rows yet (nothing to export).
+        CacheStateError: the session holds no rows yet (nothing to export), or its cache has
+            sliding-window or quantized layers (capability gate: restored threads re-prefill).
     """
     if not session.token_ids:
         raise CacheStateError("the session holds no cache rows yet: nothing to export")
+    odd = sorted({type(layer).__name__ for layer in session.cache.layers if type(layer) is not DynamicLayer})
+    if odd:  # capability gate: a sliding or quantized layer does not show every row in keys/values
+        raise CacheStateError(f"the cache has {', '.join(odd)} layers, which a state cannot hold row for row: "
+                              "the thread re-prefills from its messages after a restore (exact)")
     held = [{"role": m.role, "content": m.content, "id": m.key, **m.extra} for m in session.messages]
     return CacheState(
         token_ids=list(session.token_ids),
