@@ -7,7 +7,9 @@ together. At each layer, the layer's own modules (input norm, q/k/v projections,
 norms, the model's rotary embedding at the rows' positions) give fresh K/V, which are written
 into the cache first (eq. 21); then each packed query attends to its whole causal prefix in the
 updated cache (eq. 22): fresh rows where refreshed, reused rows in the gaps, future rows masked.
-o-proj, residual, post-attention norm and MLP produce the next layer's buffer. With fixed
+o-proj, residual, post-attention norm and MLP produce the next layer's buffer (the gated MLP of
+transformers' own plain linears is computed as ``W @ x^T`` from the modules' weights, the same
+products; wrapped projections such as LoRA layers are called as modules). With fixed
 positions and token-local operations outside attention this is the interval-wise recurrence in
 another order (Appendix 13.2), equal up to floating-point reduction order.
 
@@ -97,7 +99,8 @@ def run_packed(
             every position ``>= M`` must be selected. Not modified unless ``in_place``.
         token_ids: LongTensor ``[N]``, the full prompt.
         positions: LongTensor ``[B]`` (or list), strictly increasing positions in ``[0, N)``.
-        backend: ``"sdpa"`` (PyTorch SDPA with grouped-query heads, default) or ``"triton"``
+        backend: ``"sdpa"`` (PyTorch SDPA with grouped-query heads over the row tiles of
+            :func:`row_tiles`, each with its own key range and additive causal mask; default) or ``"triton"``
             (the indexed kernel in ``kvmemory.kernels``; needs a CUDA GPU or ``TRITON_INTERPRET=1``).
         in_place: write into ``cache`` itself instead of one complete output copy.
         fused_scatter: with ``backend="triton"``, write fresh K/V with the one-launch Triton
