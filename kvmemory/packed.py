@@ -20,6 +20,7 @@ callers then use the sequential executor (see ``executors.py``).
 
 from __future__ import annotations
 
+import bisect
 import sys
 
 import torch
@@ -220,13 +221,16 @@ def _backend(name: str, positions: torch.Tensor, device: torch.device, dtype: to
             kernels.scatter_kv(keys, values, k, v, plan)
 
         return attend_triton, write_fused if fused_scatter else write_torch
-    tiles = [(a, b, _additive_causal_mask(pos[a:b], int(positions[b - 1]) + 1, dtype)) for a, b in row_tiles(positions)]
+    bounds = [(a, b, int(positions[b - 1]) + 1) for a, b in row_tiles(positions)]
+    if sum((b - a) * keys for a, b, keys in bounds) > ADDITIVE_MASK_LIMIT:
+        dtype = torch.bool  # huge refreshes: 1-byte masks (SDPA converts them per call)
+    tiles = [(a, b, _causal_mask(pos[a:b], keys, dtype)) for a, b, keys in bounds]
 
     def attend_sdpa(q, keys, values, scale):
         q = q.contiguous()
         outs = [
             F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, : mask.shape[-1]], values[:, :, : mask.shape[-1]],
-                                           attn_mask=mask.to(q.dtype), scale=scale, enable_gqa=True)
+                                           attn_mask=mask if mask.dtype == torch.bool else mask.to(q.dtype), scale=scale, enable_gqa=True)
             for a, b, mask in tiles
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -234,10 +238,16 @@ def _backend(name: str, positions: torch.Tensor, device: torch.device, dtype: to
     return attend_sdpa, write_torch
 
 
-def _additive_causal_mask(pos: torch.Tensor, kv_length: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[1, 1, rows, kv_length]``: 0 where key j <= the row's position, -inf after it (built once
-    per refresh; a boolean mask would be converted to this inside SDPA at every layer)."""
+ADDITIVE_MASK_LIMIT = 1 << 24  # mask elements per refresh kept additive (64 MiB in fp32)
+
+
+def _causal_mask(pos: torch.Tensor, kv_length: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, 1, rows, kv_length]``: additive (0 where key j <= the row's position, -inf after it),
+    built once per refresh because SDPA would convert a boolean mask to this at every layer; with
+    ``dtype=torch.bool`` the boolean "may attend" mask instead."""
     future = torch.arange(kv_length, device=pos.device)[None] > pos[:, None]
+    if dtype == torch.bool:
+        return ~future[None, None]
     return torch.zeros(future.shape, dtype=dtype, device=pos.device).masked_fill_(future, float("-inf"))[None, None]
 
 
@@ -252,20 +262,19 @@ def row_tiles(positions: torch.Tensor) -> list[tuple[int, int]]:
     attending to keys ``[0, positions[b-1]]`` only (the causal skip of eqs. 23–24 for SDPA).
 
     A dynamic program minimises Σ_tiles ((b - a) + TILE_EXTRA_ROWS) · (positions[b-1] + 1) +
-    TILE_FIXED_COST over boundaries at interval starts and every TILE_ROW_STEP-th row, with at most
-    TILE_MAX_ROWS rows per tile: one tile for a single short interval, a few for spread intervals
+    TILE_FIXED_COST over boundaries at every TILE_ROW_STEP-th row and at interval starts (unless
+    there are over 4× more starts than row steps), with at most TILE_MAX_ROWS rows per tile: one tile for a single short interval, a few for spread intervals
     (R = 16 at 2 K: 3 tiles instead of one 64 × 1506 block). Cost model fitted by A/B timing.
     """
     pos = positions.tolist()
     n = len(pos)
-    cuts = sorted({0, n} | set(range(0, n, TILE_ROW_STEP)) | {i for i in range(1, n) if pos[i] != pos[i - 1] + 1})
+    steps = {0, n} | set(range(0, n, TILE_ROW_STEP))
+    starts = {i for i in range(1, n) if pos[i] != pos[i - 1] + 1}
+    cuts = sorted(steps | starts if len(starts) <= 4 * len(steps) else steps)  # many tiny intervals: row steps only
     best = {0: (0.0, 0)}  # boundary -> (cost of rows before it, previous boundary)
-    for j in cuts[1:]:
-        best[j] = min(
-            (best[i][0] + (j - i + TILE_EXTRA_ROWS) * (pos[j - 1] + 1) + TILE_FIXED_COST, i)
-            for i in cuts
-            if i < j and j - i <= TILE_MAX_ROWS and i in best
-        )
+    for idx, j in enumerate(cuts[1:], start=1):
+        window = cuts[bisect.bisect_left(cuts, j - TILE_MAX_ROWS, 0, idx) : idx]  # O(TILE_MAX_ROWS) per cut
+        best[j] = min((best[i][0] + (j - i + TILE_EXTRA_ROWS) * (pos[j - 1] + 1) + TILE_FIXED_COST, i) for i in window)
     tiles, j = [], n
     while j:
         tiles.append((best[j][1], j))

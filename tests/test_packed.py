@@ -293,3 +293,24 @@ def test_row_tiles_cover_the_rows_and_skip_future_keys():
         assert all(b0 == a1 for (_, b0), (a1, _) in zip(tiles, tiles[1:]))
     keys = sum((b - a) * (int(spread[b - 1]) + 1) for a, b in row_tiles(spread))
     assert keys < 0.8 * len(spread) * (int(spread[-1]) + 1)  # fewer row × key pairs than one block
+
+
+def test_boolean_masks_for_huge_refreshes_give_the_same_rows(monkeypatch):
+    """Past ADDITIVE_MASK_LIMIT mask elements the tiles keep 1-byte boolean masks: same K/V."""
+    from kvmemory import packed
+
+    model = tiny_model("llama")
+    cache, ids, positions = _edited_long_prompt(model)
+    additive, _ = run_packed(model, cache, ids, positions)
+    monkeypatch.setattr(packed, "ADDITIVE_MASK_LIMIT", 0)
+    boolean, _ = run_packed(model, cache, ids, positions)
+    for (ka, va), (kb, vb) in zip(_layers(additive), _layers(boolean)):
+        torch.testing.assert_close(kb, ka, atol=TOL, rtol=0)
+        torch.testing.assert_close(vb, va, atol=TOL, rtol=0)
+
+
+def test_row_tiles_for_many_one_token_intervals_use_row_steps():
+    from kvmemory.packed import TILE_MAX_ROWS, TILE_ROW_STEP, row_tiles
+
+    tiles = row_tiles(torch.arange(0, 4000, 2))  # 2000 one-token intervals
+    assert all(a % TILE_ROW_STEP == 0 and b - a <= TILE_MAX_ROWS for a, b in tiles) and tiles[-1][1] == 2000
