@@ -225,3 +225,92 @@ def test_triton_backend_without_gpu_or_interpreter_names_the_fix(tiny_shifted, m
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(TritonUnavailableError, match="backend='sdpa'"):
         run_packed(model, session.cache, torch.tensor(session.token_ids), [f], backend="triton")
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A wrapped projection (like a LoRA layer): its forward is not ``x @ W^T``."""
+
+    def forward(self, x):
+        return 1.5 * super().forward(x)
+
+
+def _edited_long_prompt(model, n=480):
+    """A prefilled random-token prompt of n tokens and the same prompt with the 64 positions of 16
+    spread runs of 4 (the last ending at n-1) replaced: those rows are stale and must change."""
+    from kvmemory.execution import forward_rows
+
+    ids = torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(0))
+    cache = kvcache.new_cache(model.config)
+    forward_rows(model, cache, ids, 0)
+    positions = [n - 364 + 24 * k + j for k in range(16) for j in range(4)]
+    edited = ids.clone()
+    edited[positions] = (edited[positions] + 777) % 49000
+    return cache, edited, positions
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("wrapped_mlp", [False, True])
+def test_multi_tile_attention_and_mlp_paths_equal_sequential(family, wrapped_mlp):
+    """64 spread rows: the SDPA plan has several row tiles (each with its own key range) and the MLP
+    runs by columns on plain linears or through the module on wrapped ones; K/V at every layer and
+    the logits match the sequential executor (1e-4), unselected rows are bit-identical."""
+    from kvmemory.packed import _is_plain_mlp, row_tiles
+
+    model = tiny_model(family)
+    if wrapped_mlp:
+        for layer in model.get_decoder().layers:
+            old = layer.mlp.up_proj
+            layer.mlp.up_proj = _ScaledLinear(old.in_features, old.out_features, bias=False)
+            layer.mlp.up_proj.weight.data.copy_(old.weight.data)
+    assert all(_is_plain_mlp(layer.mlp) != wrapped_mlp for layer in model.get_decoder().layers)
+    cache, ids, positions = _edited_long_prompt(model)
+    assert len(row_tiles(torch.tensor(positions))) > 1
+    before = [(k.clone(), v.clone()) for k, v in _layers(cache)]
+    reference = kvcache.clone_cache(cache)
+    expected = run_sequential(model, reference, ids, to_intervals(positions))
+    out, result = run_packed(model, cache, ids, positions)
+    chosen = torch.zeros(len(ids), dtype=torch.bool)
+    chosen[positions] = True
+    for (kr, vr), (ko, vo), (k0, v0), (k1, v1) in zip(_layers(reference), _layers(out), before, _layers(cache)):
+        torch.testing.assert_close(ko, kr, atol=TOL, rtol=0)
+        torch.testing.assert_close(vo, vr, atol=TOL, rtol=0)
+        assert torch.equal(ko[:, :, ~chosen], k0[:, :, ~chosen]) and torch.equal(vo[:, :, ~chosen], v0[:, :, ~chosen])
+        assert torch.equal(k1, k0) and torch.equal(v1, v0)  # the input cache is untouched
+    assert (_layers(out)[-1][1] - before[-1][1])[:, :, chosen].abs().max() > 10 * TOL
+    torch.testing.assert_close(result.next_logits, expected.next_logits, atol=TOL, rtol=0)
+
+
+def test_row_tiles_cover_the_rows_and_skip_future_keys():
+    from kvmemory.packed import TILE_MAX_ROWS, row_tiles
+
+    assert row_tiles(torch.tensor([7])) == [(0, 1)]
+    assert row_tiles(torch.arange(992, 1056)) == [(0, 64)]  # one short interval: one tile
+    spread = torch.tensor([542 + 64 * k + j for k in range(16) for j in range(4)])
+    for positions in (spread, torch.arange(300), torch.tensor([3, 9, 400, 401, 402, 2000])):
+        tiles = row_tiles(positions)
+        assert tiles[0][0] == 0 and tiles[-1][1] == len(positions)
+        assert all(a < b and b - a <= TILE_MAX_ROWS for a, b in tiles)
+        assert all(b0 == a1 for (_, b0), (a1, _) in zip(tiles, tiles[1:]))
+    keys = sum((b - a) * (int(spread[b - 1]) + 1) for a, b in row_tiles(spread))
+    assert keys < 0.8 * len(spread) * (int(spread[-1]) + 1)  # fewer row × key pairs than one block
+
+
+def test_boolean_masks_for_huge_refreshes_give_the_same_rows(monkeypatch):
+    """Past ADDITIVE_MASK_LIMIT mask elements the tiles keep 1-byte boolean masks: same K/V."""
+    from kvmemory import packed
+
+    model = tiny_model("llama")
+    cache, ids, positions = _edited_long_prompt(model)
+    additive, _ = run_packed(model, cache, ids, positions)
+    monkeypatch.setattr(packed, "ADDITIVE_MASK_LIMIT", 0)
+    boolean, _ = run_packed(model, cache, ids, positions)
+    for (ka, va), (kb, vb) in zip(_layers(additive), _layers(boolean)):
+        torch.testing.assert_close(kb, ka, atol=TOL, rtol=0)
+        torch.testing.assert_close(vb, va, atol=TOL, rtol=0)
+
+
+def test_row_tiles_for_many_one_token_intervals_use_row_steps():
+    from kvmemory.packed import TILE_MAX_ROWS, TILE_ROW_STEP, row_tiles
+
+    tiles = row_tiles(torch.arange(0, 4000, 2))  # 2000 one-token intervals
+    assert all(a % TILE_ROW_STEP == 0 and b - a <= TILE_MAX_ROWS for a, b in tiles) and tiles[-1][1] == 2000
