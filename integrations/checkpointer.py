@@ -104,6 +104,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.store = BlobStore(blob_dir if blob_dir is not None else _default_blob_dir(saver))
         self.search_depth = search_depth
         self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
+        self.restored_from: dict[str, str] = {}  # thread id -> sha256 of the verified blob it resumed from
         self._stored: dict[str, tuple[tuple, BlobRef]] = {}  # thread id -> (state fingerprint, blob)
         self._rejected: set[tuple[str, str]] = set()  # (thread id, sha256) found unusable: not retried
 
@@ -295,8 +296,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         return {**metadata, CACHE_KEY: {**ref.to_dict(), "tokens": tokens}}
 
     def _store_thread(self, tid: str) -> tuple[BlobRef, int] | None:
-        session = self.threads.session(tid)
-        if not session.token_ids:
+        session = self.threads.get(tid)  # never creates one: an evicted thread must stay evicted
+        if session is None or not session.token_ids:
             return None  # nothing cached yet (e.g. the input checkpoint of a new thread)
         fingerprint = _fingerprint(session)
         last = self._stored.get(tid)
@@ -313,6 +314,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         tid = str(thread_id)
         self._stored.pop(tid, None)
         self.restore_failures.pop(tid, None)
+        self.restored_from.pop(tid, None)
         if self.threads is not None:
             self.threads.drop(tid)
 
@@ -330,6 +332,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         return self.saver.alist(_thread_config(tup), before=tup.config, limit=self.search_depth)
 
     def _newest_ref(self, tup: CheckpointTuple, older: list[CheckpointTuple]) -> BlobRef | None:
+        """The newest blob reference among ``tup`` and ``older``; None (with the reason recorded in
+        :attr:`restore_failures`) when there is none to try."""
         tid = _thread_and_ns(tup.config)[0]
         for candidate in [tup, *older]:
             raw = (candidate.metadata or {}).get(CACHE_KEY)
@@ -340,7 +344,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             except BlobError as exc:
                 self._reject(tid, "unreadable", str(exc))
                 return None
-            return None if (tid, ref.sha256) in self._rejected else ref
+            if (tid, ref.sha256) in self._rejected:
+                return None  # already found unusable; restore_failures keeps the reason
+            return ref
+        # e.g. a crash before the thread's first blob was written: nothing to resume from
+        self._reject(tid, "none", f"no stored cache in the thread's last {len(older) + 1} checkpoints")
         return None
 
     def _restore(self, tid: str, ref: BlobRef) -> bool:
@@ -356,6 +364,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             self._reject(tid, "incompatible", str(exc), ref)
             return False
         self.restore_failures.pop(tid, None)
+        self.restored_from[tid] = ref.sha256
         self._stored[tid] = (_fingerprint(self.threads.session(tid)), ref)
         log.info("kvmemory: thread %r resumes from its stored cache (%d tokens, blob %s)",
                  tid, len(state.token_ids), ref.sha256[:12])

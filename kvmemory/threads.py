@@ -279,6 +279,11 @@ class ThreadCaches:
         """The thread's session without a lease (for inspection; not for concurrent calls)."""
         return self._entry(thread_id).session
 
+    def get(self, thread_id: str) -> KVSession | None:
+        """The thread's session if it is live, else None (unlike :meth:`session`, never creates one)."""
+        entry = self._entries.get(str(thread_id))
+        return None if entry is None else entry.session
+
     def __contains__(self, thread_id: object) -> bool:
         return str(thread_id) in self._entries
 
