@@ -36,6 +36,7 @@ import torch
 
 from kvmemory.models import LoadedModel, load_model
 from kvmemory.policy import RepairPolicy
+from kvmemory.prompt import normalize_messages
 from kvmemory.threads import ThreadCaches
 
 from .constrained import Grammars, processor
@@ -49,6 +50,7 @@ REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_token
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+RESERVE_SLACK = 16  # rows a call may hold beyond prompt + answer (end-of-turn markers of a committed answer)
 
 
 @dataclass
@@ -263,8 +265,12 @@ class ChatKVMemory(BaseChatModel):
         thread_id = self._thread_id(kwargs)
         if run_manager is not None and (run_manager.metadata or {}).get("lc_source") == "summarization":
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
-        with self.threads_for(model_name).lease(thread_id) as session:
-            session.tools = tools if runtime.template_tools else None
+        registry = self.threads_for(model_name)
+        template_tools = tools if runtime.template_tools else None
+        reserve = (_prompt_tokens(runtime, session_messages, template_tools) + max_tokens + RESERVE_SLACK
+                   if registry.memory_budget_bytes is not None else 0)
+        with registry.lease(thread_id, reserve_tokens=reserve) as session:
+            session.tools = template_tools
             report = session.prepare(session_messages, policy=kwargs.get("repair_policy"))
             tokens = session.stream_tokens(max_tokens, temperature=float(kwargs.get("temperature", self.temperature)),
                                            seed=kwargs.get("seed", self.seed),
@@ -461,6 +467,16 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
         raise ValueError(f"tool_choice names {name!r}, which is not a bound tool: use one of "
                          f"{', '.join(names)}, 'auto', 'any' or 'none'")
     return name
+
+
+def _prompt_tokens(runtime: _Runtime, session_messages, tools) -> int:
+    """Tokens of the rendered prompt: the rows the thread's cache holds once prepared (so the call
+    can reserve its share of the memory budget before it runs). Raises what rendering raises."""
+    tokenizer = runtime.loaded.tokenizer
+    messages = normalize_messages(session_messages)
+    text = tokenizer.apply_chat_template([m.template_dict() for m in messages], tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _with_thread(config, kwargs: dict[str, Any]) -> dict[str, Any]:

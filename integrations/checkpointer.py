@@ -38,7 +38,7 @@ from langgraph.checkpoint.base import (
     CheckpointTuple,
 )
 
-from kvmemory.threads import CacheState, CacheStateError, ThreadCaches
+from kvmemory.threads import CacheState, CacheStateError, ThreadCaches, export_state
 
 from .blobs import BlobError, BlobRef, BlobStore
 
@@ -107,6 +107,9 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.restored_from: dict[str, str] = {}  # thread id -> sha256 of the verified blob it resumed from
         self._stored: dict[str, tuple[tuple, BlobRef]] = {}  # thread id -> (state fingerprint, blob)
         self._rejected: set[tuple[str, str]] = set()  # (thread id, sha256) found unusable: not retried
+        self._evicted: dict[str, tuple[BlobRef, int]] = {}  # thread id -> (blob, tokens) of its state when evicted
+        if self.threads is not None:
+            self._persist_on_evict()
 
     # ------------------------------------------------------------ builders
     @classmethod
@@ -162,7 +165,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """The wrapped saver's tuple; restores the thread's stored cache if it is not live."""
         tup = self.saver.get_tuple(config)
         if tup is not None and self._wants_restore(tup):
-            ref = self._newest_ref(tup, self._older_sync(tup))
+            ref = self._evicted_ref(tup) or self._newest_ref(tup, self._older_sync(tup))
             if ref is not None:
                 self._restore(_thread_and_ns(tup.config)[0], ref)
         return tup
@@ -198,8 +201,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """Async :meth:`get_tuple` (blob reading and import run in a worker thread)."""
         tup = await self.saver.aget_tuple(config)
         if tup is not None and self._wants_restore(tup):
-            older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
-            ref = self._newest_ref(tup, older)
+            ref = self._evicted_ref(tup)
+            if ref is None:
+                older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
+                ref = self._newest_ref(tup, older)
             if ref is not None:
                 await asyncio.to_thread(self._restore, _thread_and_ns(tup.config)[0], ref)
         return tup
@@ -222,6 +227,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """Async :meth:`put` (serialising and writing the blob run in a worker thread)."""
         if self._has_live_thread(config):  # serialising K/V is blocking file work: off the event loop
             metadata = await asyncio.to_thread(self._with_cache_ref, config, metadata)
+        else:
+            metadata = self._with_cache_ref(config, metadata)  # no file work: at most an evicted thread's ref
         return await self.saver.aput(config, checkpoint, metadata, new_versions)
 
     async def aput_writes(
@@ -281,10 +288,15 @@ class KVCheckpointSaver(BaseCheckpointSaver):
 
     def _with_cache_ref(self, config: RunnableConfig, metadata: CheckpointMetadata) -> CheckpointMetadata:
         """``metadata`` plus the reference of the thread's stored cache (root namespace only:
-        subgraph checkpoints share the thread's one cache)."""
-        if not self._has_live_thread(config):
+        subgraph checkpoints share the thread's one cache). A thread evicted since its model call
+        names the blob written when it was evicted."""
+        tid, ns = _thread_and_ns(config)
+        if self.threads is None or tid is None or ns != "":
             return metadata
-        tid = _thread_and_ns(config)[0]
+        if tid not in self.threads:
+            held = self._evicted.get(tid)
+            return metadata if held is None else {**metadata, CACHE_KEY: {**held[0].to_dict(), "tokens": held[1]}}
+        self._evicted.pop(tid, None)  # live again: its live state is newer
         try:
             stored = self._store_thread(tid)
         except (OSError, CacheStateError) as exc:  # the checkpoint matters more than the cache: store it anyway
@@ -310,8 +322,39 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self._stored[tid] = (fingerprint, ref)
         return ref, len(state.token_ids)
 
+    def _persist_on_evict(self) -> None:
+        """Chain onto the registry's ``on_evict`` so an evicted thread's state is written first."""
+        previous = self.threads.on_evict
+
+        def on_evict(tid: str, session) -> None:
+            self._store_evicted(tid, session)
+            if previous is not None:
+                previous(tid, session)
+
+        self.threads.on_evict = on_evict
+
+    def _store_evicted(self, tid: str, session) -> None:
+        """Write the state of a thread the registry is about to drop (its lock is held, so the state
+        is final). Its next checkpoint names this blob and its next run resumes from it, even when
+        the eviction came between its model call and that call's checkpoint."""
+        if not session.token_ids:
+            return
+        try:
+            fingerprint = _fingerprint(session)
+            last = self._stored.get(tid)
+            if last is not None and last[0] == fingerprint and self.store.path(last[1].sha256).is_file():
+                ref = last[1]
+            else:
+                state = export_state(session, self.threads.model_name)
+                ref = self.store.put(state.tensors(), state.metadata())
+        except (OSError, CacheStateError) as exc:
+            log.warning("kvmemory: thread %r: evicted cache not persisted (%s); its next turn re-prefills", tid, exc)
+            return
+        self._evicted[tid] = (ref, len(session.token_ids))
+
     def _forget(self, thread_id: str) -> None:
         tid = str(thread_id)
+        self._evicted.pop(tid, None)
         self._stored.pop(tid, None)
         self.restore_failures.pop(tid, None)
         self.restored_from.pop(tid, None)
@@ -330,6 +373,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
 
     def _older_async(self, tup: CheckpointTuple):
         return self.saver.alist(_thread_config(tup), before=tup.config, limit=self.search_depth)
+
+    def _evicted_ref(self, tup: CheckpointTuple) -> BlobRef | None:
+        """The blob written when the thread was evicted in this process (its newest state), if any."""
+        held = self._evicted.get(_thread_and_ns(tup.config)[0])
+        return None if held is None or (_thread_and_ns(tup.config)[0], held[0].sha256) in self._rejected else held[0]
 
     def _newest_ref(self, tup: CheckpointTuple, older: list[CheckpointTuple]) -> BlobRef | None:
         """The newest blob reference among ``tup`` and ``older``; None (with the reason recorded in
@@ -364,6 +412,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             self._reject(tid, "incompatible", str(exc), ref)
             return False
         self.restore_failures.pop(tid, None)
+        self._evicted.pop(tid, None)
         self.restored_from[tid] = ref.sha256
         self._stored[tid] = (_fingerprint(self.threads.session(tid)), ref)
         log.info("kvmemory: thread %r resumes from its stored cache (%d tokens, blob %s)",
