@@ -16,8 +16,17 @@ The link to the chat model is its thread registry (:class:`kvmemory.threads.Thre
 
 A missing, truncated or mismatching blob, or one computed by another model, is detected (size,
 sha256, layout checks), logged with its reason and recorded in :attr:`restore_failures`; the
-thread then simply re-prefills from the checkpointed messages. Checkpoints themselves are
-always stored and read by the wrapped saver unchanged: a blob problem never loses a message.
+thread then simply re-prefills from the checkpointed messages (a thread with no blob at all,
+e.g. after a crash before its first blob was written, is recorded with reason ``none``). The
+blob a thread resumed from is in :attr:`restored_from`. Checkpoints themselves are always stored
+and read by the wrapped saver unchanged: a blob problem never loses a message.
+
+Crash safety: a blob is complete under its name before the checkpoint naming it is written (see
+:mod:`.blobs`); a crash in between leaves an unreferenced blob or a temporary file, which
+:meth:`KVCheckpointSaver.collect_garbage` removes. When the registry evicts a thread (memory
+budget), the saver writes the thread's state first and names that blob in the thread's next
+checkpoint, so the thread resumes from exactly the state it had, even when the eviction came
+between its model call and that call's checkpoint.
 """
 
 from __future__ import annotations
