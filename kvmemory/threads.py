@@ -343,9 +343,7 @@ class ThreadCaches:
             self._evict(victims)  # outside the registry lock (on_evict may write files); then re-check
 
     def _release(self, ticket: int | None) -> None:
-        if ticket is None:
-            return
-        with self._changed:
+        with self._changed:  # also without a ticket: the thread just became idle, hence evictable
             self._admitted.pop(ticket, None)
             self._changed.notify_all()
 
