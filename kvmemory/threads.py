@@ -449,7 +449,7 @@ class ThreadCaches:
         if state.model_name and self.model_name and state.model_name != self.model_name:
             raise CacheStateError(f"state was computed by {state.model_name!r}, this registry runs "
                                   f"{self.model_name!r}: re-prefill from the messages")
-        with self.lease(thread_id) as session:
+        with self.lease(thread_id, reserve_tokens=len(state.token_ids)) as session:  # its rows count against the budget
             import_state(session, state)
         return session
 
