@@ -75,6 +75,21 @@ def test_idle_threads_are_evicted_to_admit_a_call(llama, tokenizer):
         assert reg.memory_bytes <= reg.memory_budget_bytes
 
 
+def test_importing_a_stored_cache_makes_room_before_it_loads(llama, tokenizer):
+    probe = ThreadCaches(llama, tokenizer)
+    with probe.lease("x") as s:
+        s.prepare(history())
+    one = probe.memory_bytes
+    seen = []
+    reg = ThreadCaches(llama, tokenizer, memory_budget_bytes=int(1.5 * one),
+                       on_evict=lambda tid, s: seen.append((tid, reg.get("t2") is not None and bool(reg.get("t2").token_ids))))
+    with reg.lease("t1") as s:
+        s.prepare(history())
+    reg.import_state("t2", reg.export_state("t1"))  # a restore after a restart or an eviction
+    assert seen == [("t1", False)]  # t1 left before t2's rows arrived: the budget held throughout
+    assert reg.memory_bytes <= reg.memory_budget_bytes
+
+
 def _graph(registry: ThreadCaches, saver):
     def answer(state: MessagesState, config):
         roles = {"system": "system", "human": "user", "ai": "assistant"}
