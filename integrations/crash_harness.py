@@ -1,7 +1,8 @@
 """Crash safety of :class:`~langchain_kvmemory.checkpointer.KVCheckpointSaver`: SIGKILL a process
 that writes checkpoints and KV blobs, many times, and check every restart.
 
-A child process (``python -m langchain_kvmemory.crash_harness child ...``) runs a LangGraph graph
+A child process (forked from a forkserver that imported torch, transformers and LangGraph once;
+by hand: ``python -m langchain_kvmemory.crash_harness child ...``) runs a LangGraph graph
 whose node calls :class:`~langchain_kvmemory.ChatKVMemory`, checkpointed by KVCheckpointSaver on
 SQLite, through a scripted, seeded workload on two thread ids: turns, same-id replacements,
 message removals and clears. It writes a journal line before and after every operation. The
