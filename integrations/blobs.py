@@ -3,7 +3,11 @@
 A blob's name is the sha256 of its bytes, so identical states are stored once and a reader can
 prove that what it loaded is what was written. Files are written to a temporary name in the same
 folder, flushed to disk and renamed into place (``os.replace`` is atomic on POSIX and Windows), so
-a crash leaves either the whole blob or no blob, never half of one under the final name.
+a crash leaves either the whole blob or no blob, never half of one under the final name. The
+folder is fsynced after the rename, so a blob named by a checkpoint that the database committed
+afterwards survives a power loss too. A crash between the temporary write and the rename leaves
+a ``.tmp-*`` file; a crash between the rename and the checkpoint leaves a blob no checkpoint
+names; :meth:`BlobStore.collect_garbage` removes both once they are older than its grace period.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from safetensors.torch import save as save_safetensors
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
+TEMP_PREFIX = ".tmp-"
 
 
 class BlobError(RuntimeError):
@@ -68,6 +73,7 @@ class BlobStore:
 
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
+        self.temp_files_removed = 0  # stale temporary files deleted by collect_garbage (crash leftovers)
 
     def path(self, sha256: str) -> Path:
         return self.root / sha256[:2] / f"{sha256}{SUFFIX}"
@@ -84,21 +90,32 @@ class BlobStore:
         data = save_safetensors(tensors, metadata=metadata)
         ref = BlobRef(hashlib.sha256(data).hexdigest(), len(data))
         target = self.path(ref.sha256)
-        if target.is_file() and target.stat().st_size == ref.size:
+        if _holds(target, ref):
             os.utime(target)  # fresh mtime: the garbage collector's grace period starts again
             return ref
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=target.parent)
+        # a damaged file under the blob's name (bit rot, a partial copy) is replaced, not trusted
+        self._mkdirs(target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=SUFFIX, dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
-                os.fsync(f.fileno())
+                os.fsync(f.fileno())  # the bytes are on disk before the name points at them
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        _fsync_dir(target.parent)  # the rename itself is durable before a checkpoint names the blob
         return ref
+
+    def _mkdirs(self, folder: Path) -> None:
+        if folder.is_dir():
+            return
+        new_root = not self.root.is_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        _fsync_dir(self.root)  # a new shard folder's entry must survive a power loss too
+        if new_root:
+            _fsync_dir(self.root.parent)
 
     def get(self, ref: BlobRef) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Load and verify a blob: size, then sha256 of the bytes, then the safetensors header.
@@ -135,8 +152,15 @@ class BlobStore:
             return set()
         return {p.name[: -len(SUFFIX)] for p in self.root.glob(f"??/*{SUFFIX}") if not p.name.startswith(".")}
 
+    def temp_files(self) -> list[Path]:
+        """Temporary files of writes that never reached their rename (a crash or kill mid-``put``)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(self.root.glob(f"??/{TEMP_PREFIX}*"))
+
     def collect_garbage(self, keep: set[str], *, grace_s: float = 300.0) -> list[str]:
-        """Delete blobs not in ``keep`` whose file is older than ``grace_s`` seconds.
+        """Delete blobs not in ``keep`` whose file is older than ``grace_s`` seconds, and temporary
+        files (``.tmp-*``, left by a crash between write and rename) older than ``grace_s``.
 
         The grace period protects a blob written by a concurrent ``put`` whose checkpoint is not
         committed yet (blobs are written before the checkpoint that references them).
@@ -146,16 +170,48 @@ class BlobStore:
         """
         now, removed = time.time(), []
         for sha in self.digests() - set(keep):
-            path = self.path(sha)
-            try:
-                if now - path.stat().st_mtime >= grace_s:
-                    path.unlink()
-                    removed.append(sha)
-            except FileNotFoundError:
-                continue  # removed concurrently
-        if removed:
-            log.info("kvmemory: removed %d unreferenced cache blobs from %s", len(removed), self.root)
+            if _unlink_if_older(self.path(sha), now - grace_s):
+                removed.append(sha)
+        temps = [p for p in self.temp_files() if _unlink_if_older(p, now - grace_s)]
+        self.temp_files_removed += len(temps)
+        if removed or temps:
+            log.info("kvmemory: removed %d unreferenced cache blobs and %d stale temporary files from %s",
+                     len(removed), len(temps), self.root)
         return removed
+
+
+def _unlink_if_older(path: Path, cutoff: float) -> bool:
+    try:
+        if path.stat().st_mtime > cutoff:
+            return False
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False  # removed concurrently
+
+
+def _holds(target: Path, ref: BlobRef) -> bool:
+    """Whether ``target`` already holds exactly the blob ``ref`` (size, then sha256 of its bytes)."""
+    try:
+        if target.stat().st_size != ref.size:
+            return False
+        return hashlib.sha256(target.read_bytes()).hexdigest() == ref.sha256
+    except FileNotFoundError:
+        return False
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in ``folder`` durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # e.g. Windows or filesystems that refuse fsync on folders
+    finally:
+        os.close(fd)
 
 
 def _header_metadata(data: bytes) -> dict[str, str]:

@@ -39,6 +39,7 @@ from kvmemory.guard import FidelityGuard, GuardConfig
 from kvmemory.errors import InputError, InputTypeError, MessageError
 from kvmemory.models import LoadedModel, load_model
 from kvmemory.policy import RepairPolicy
+from kvmemory.prompt import normalize_messages
 from kvmemory.threads import ThreadCaches
 
 from .constrained import Grammars, processor
@@ -53,6 +54,7 @@ REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_token
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+RESERVE_SLACK = 16  # rows a call may hold beyond prompt + answer (end-of-turn markers of a committed answer)
 
 
 @dataclass
@@ -305,14 +307,18 @@ class ChatKVMemory(BaseChatModel):
         thread_id = self._thread_id(kwargs)
         if run_manager is not None and (run_manager.metadata or {}).get("lc_source") == "summarization":
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
-        with self.threads_for(model_name).lease(thread_id) as session:
-            session.tools = tools if runtime.template_tools else None
+        registry = self.threads_for(model_name)
+        template_tools = tools if runtime.template_tools else None
+        reserve = (_prompt_tokens(runtime, session_messages, template_tools) + max_tokens + RESERVE_SLACK
+                   if registry.memory_budget_bytes is not None else 0)
+        with registry.lease(thread_id, reserve_tokens=reserve) as session:
+            session.tools = template_tools
             guard = self.guard_for(model_name)
             policy = RepairPolicy.coerce(kwargs.get("repair_policy") or session.policy)
             if guard is not None:
                 policy = guard.policy_for(thread_id, policy)
             report = session.prepare(session_messages, policy=policy, erase=kwargs.get("erase") or self.erase)
-            erased = _erase_everywhere(self.threads_for(model_name), thread_id, session, report)
+            erased = _erase_everywhere(registry, thread_id, session, report)
             if guard is not None:
                 guard.observe(thread_id, session, report)
             tokens = session.stream_tokens(max_tokens, temperature=float(kwargs.get("temperature", self.temperature)),
@@ -567,6 +573,16 @@ def _check_call_settings(policy, max_tokens, temperature, timeout) -> None:
             hint = "0 decodes greedily" if name == "temperature" else "seconds of decoding, > 0, or None for no limit"
             raise InputError(f"{name} must be a finite number {'>= 0' if name == 'temperature' else '> 0'} "
                              f"(got {value}): {hint}")
+
+
+def _prompt_tokens(runtime: _Runtime, session_messages, tools) -> int:
+    """Tokens of the rendered prompt: the rows the thread's cache holds once prepared (so the call
+    can reserve its share of the memory budget before it runs). Raises what rendering raises."""
+    tokenizer = runtime.loaded.tokenizer
+    messages = normalize_messages(session_messages)
+    text = tokenizer.apply_chat_template([m.template_dict() for m in messages], tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _with_thread(config, kwargs: dict[str, Any]) -> dict[str, Any]:

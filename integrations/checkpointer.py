@@ -16,8 +16,17 @@ The link to the chat model is its thread registry (:class:`kvmemory.threads.Thre
 
 A missing, truncated or mismatching blob, or one computed by another model, is detected (size,
 sha256, layout checks), logged with its reason and recorded in :attr:`restore_failures`; the
-thread then simply re-prefills from the checkpointed messages. Checkpoints themselves are
-always stored and read by the wrapped saver unchanged: a blob problem never loses a message.
+thread then simply re-prefills from the checkpointed messages (a thread with no blob at all,
+e.g. after a crash before its first blob was written, is recorded with reason ``none``). The
+blob a thread resumed from is in :attr:`restored_from`. Checkpoints themselves are always stored
+and read by the wrapped saver unchanged: a blob problem never loses a message.
+
+Crash safety: a blob is complete under its name before the checkpoint naming it is written (see
+:mod:`.blobs`); a crash in between leaves an unreferenced blob or a temporary file, which
+:meth:`KVCheckpointSaver.collect_garbage` removes. When the registry evicts a thread (memory
+budget), the saver writes the thread's state first and names that blob in the thread's next
+checkpoint, so the thread resumes from exactly the state it had, even when the eviction came
+between its model call and that call's checkpoint.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from langgraph.checkpoint.base import (
 )
 
 from kvmemory.errors import InputError, InputTypeError
-from kvmemory.threads import CacheState, CacheStateError, ThreadCaches
+from kvmemory.threads import CacheState, CacheStateError, ThreadCaches, export_state
 
 from .blobs import BlobError, BlobRef, BlobStore
 from .erase import Erasure, EraseReport, current_versions, is_sqlite_saver, purge_generic, purge_sqlite, shred, \
@@ -113,12 +122,15 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.store = BlobStore(blob_dir if blob_dir is not None else _default_blob_dir(saver))
         self.search_depth = search_depth
         self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
+        self.restored_from: dict[str, str] = {}  # thread id -> sha256 of the verified blob it resumed from
         self._stored: dict[str, tuple[tuple, BlobRef]] = {}  # thread id -> (state fingerprint, blob)
         self._rejected: set[tuple[str, str]] = set()  # (thread id, sha256) found unusable: not retried
         self.erase_reports: dict[str, EraseReport] = {}  # thread id -> its last strict-erase purge
         self._pending_erase: dict[str, set[str]] = {}  # ids erased but still in the thread's newest checkpoint
+        self._evicted: dict[str, tuple[BlobRef, int]] = {}  # thread id -> (blob, tokens) of its state when evicted
         if self.threads is not None:
             ERASERS.setdefault(self.threads, weakref.WeakSet()).add(self)
+            self._persist_on_evict()
 
     # ------------------------------------------------------------ builders
     @classmethod
@@ -174,7 +186,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """The wrapped saver's tuple; restores the thread's stored cache if it is not live."""
         tup = self.saver.get_tuple(config)
         if tup is not None and self._wants_restore(tup):
-            ref = self._newest_ref(tup, self._older_sync(tup))
+            ref = self._evicted_ref(tup) or self._newest_ref(tup, self._older_sync(tup))
             if ref is not None:
                 self._restore(_thread_and_ns(tup.config)[0], ref)
         return tup
@@ -213,8 +225,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """Async :meth:`get_tuple` (blob reading and import run in a worker thread)."""
         tup = await self.saver.aget_tuple(config)
         if tup is not None and self._wants_restore(tup):
-            older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
-            ref = self._newest_ref(tup, older)
+            ref = self._evicted_ref(tup)
+            if ref is None:
+                older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
+                ref = self._newest_ref(tup, older)
             if ref is not None:
                 await asyncio.to_thread(self._restore, _thread_and_ns(tup.config)[0], ref)
         return tup
@@ -237,6 +251,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """Async :meth:`put` (serialising and writing the blob run in a worker thread)."""
         if self._has_live_thread(config):  # serialising K/V is blocking file work: off the event loop
             metadata = await asyncio.to_thread(self._with_cache_ref, config, metadata)
+        else:
+            metadata = self._with_cache_ref(config, metadata)  # no file work: at most an evicted thread's ref
         stored = await self.saver.aput(config, checkpoint, metadata, new_versions)
         if self._erasures_due(config):
             await asyncio.to_thread(self._purge_after_put, config)
@@ -339,12 +355,16 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         sqlite = is_sqlite_saver(self.saver)
         refs = sqlite_refs(self.saver, tid, CACHE_KEY) if sqlite else [
             sha for t in self.saver.list({"configurable": {"thread_id": tid}}) if (sha := _sha_of(t.metadata))]
+        if tid in self._evicted:  # the state written at eviction is the thread's blob too
+            refs = [*refs, self._evicted[tid][0].sha256]
         tainted = tainted_blobs(self.store, ids, refs)
         (purge_sqlite if sqlite else purge_generic)(self.saver, tid, ids, tainted, CACHE_KEY, report)
         report.blobs_deleted = sorted(sha for sha in tainted if shred(self.store, sha))
         for key, (_, ref) in list(self._stored.items()):
             if ref.sha256 in tainted:
                 self._stored.pop(key, None)
+        if tid in self._evicted and self._evicted[tid][0].sha256 in tainted:
+            self._evicted.pop(tid)
         if self.threads is not None and not live_clean:
             session = self.threads.session(tid) if tid in self.threads else None
             held = [{"id": m.key, "content": m.content} for m in session.messages] if session is not None else []
@@ -392,10 +412,15 @@ class KVCheckpointSaver(BaseCheckpointSaver):
 
     def _with_cache_ref(self, config: RunnableConfig, metadata: CheckpointMetadata) -> CheckpointMetadata:
         """``metadata`` plus the reference of the thread's stored cache (root namespace only:
-        subgraph checkpoints share the thread's one cache)."""
-        if not self._has_live_thread(config):
+        subgraph checkpoints share the thread's one cache). A thread evicted since its model call
+        names the blob written when it was evicted."""
+        tid, ns = _thread_and_ns(config)
+        if self.threads is None or tid is None or ns != "":
             return metadata
-        tid = _thread_and_ns(config)[0]
+        if tid not in self.threads:
+            held = self._evicted.get(tid)
+            return metadata if held is None else {**metadata, CACHE_KEY: {**held[0].to_dict(), "tokens": held[1]}}
+        self._evicted.pop(tid, None)  # live again: its live state is newer
         try:
             stored = self._store_thread(tid)
         except (OSError, CacheStateError) as exc:  # the checkpoint matters more than the cache: store it anyway
@@ -407,8 +432,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         return {**metadata, CACHE_KEY: {**ref.to_dict(), "tokens": tokens}}
 
     def _store_thread(self, tid: str) -> tuple[BlobRef, int] | None:
-        session = self.threads.session(tid)
-        if not session.token_ids:
+        session = self.threads.get(tid)  # never creates one: an evicted thread must stay evicted
+        if session is None or not session.token_ids:
             return None  # nothing cached yet (e.g. the input checkpoint of a new thread)
         fingerprint = _fingerprint(session)
         last = self._stored.get(tid)
@@ -421,11 +446,43 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self._stored[tid] = (fingerprint, ref)
         return ref, len(state.token_ids)
 
+    def _persist_on_evict(self) -> None:
+        """Chain onto the registry's ``on_evict`` so an evicted thread's state is written first."""
+        previous = self.threads.on_evict
+
+        def on_evict(tid: str, session) -> None:
+            self._store_evicted(tid, session)
+            if previous is not None:
+                previous(tid, session)
+
+        self.threads.on_evict = on_evict
+
+    def _store_evicted(self, tid: str, session) -> None:
+        """Write the state of a thread the registry is about to drop (its lock is held, so the state
+        is final). Its next checkpoint names this blob and its next run resumes from it, even when
+        the eviction came between its model call and that call's checkpoint."""
+        if not session.token_ids:
+            return
+        try:
+            fingerprint = _fingerprint(session)
+            last = self._stored.get(tid)
+            if last is not None and last[0] == fingerprint and self.store.path(last[1].sha256).is_file():
+                ref = last[1]
+            else:
+                state = export_state(session, self.threads.model_name)
+                ref = self.store.put(state.tensors(), state.metadata())
+        except (OSError, CacheStateError) as exc:
+            log.warning("kvmemory: thread %r: evicted cache not persisted (%s); its next turn re-prefills", tid, exc)
+            return
+        self._evicted[tid] = (ref, len(session.token_ids))
+
     def _forget(self, thread_id: str) -> None:
         tid = str(thread_id)
+        self._evicted.pop(tid, None)
         self._stored.pop(tid, None)
         self.restore_failures.pop(tid, None)
         self._pending_erase.pop(tid, None)
+        self.restored_from.pop(tid, None)
         if self.threads is not None:
             self.threads.drop(tid)
 
@@ -442,7 +499,14 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     def _older_async(self, tup: CheckpointTuple):
         return self.saver.alist(_thread_config(tup), before=tup.config, limit=self.search_depth)
 
+    def _evicted_ref(self, tup: CheckpointTuple) -> BlobRef | None:
+        """The blob written when the thread was evicted in this process (its newest state), if any."""
+        held = self._evicted.get(_thread_and_ns(tup.config)[0])
+        return None if held is None or (_thread_and_ns(tup.config)[0], held[0].sha256) in self._rejected else held[0]
+
     def _newest_ref(self, tup: CheckpointTuple, older: list[CheckpointTuple]) -> BlobRef | None:
+        """The newest blob reference among ``tup`` and ``older``; None (with the reason recorded in
+        :attr:`restore_failures`) when there is none to try."""
         tid = _thread_and_ns(tup.config)[0]
         for candidate in [tup, *older]:
             raw = (candidate.metadata or {}).get(CACHE_KEY)
@@ -453,7 +517,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             except BlobError as exc:
                 self._reject(tid, "unreadable", str(exc))
                 return None
-            return None if (tid, ref.sha256) in self._rejected else ref
+            if (tid, ref.sha256) in self._rejected:
+                return None  # already found unusable; restore_failures keeps the reason
+            return ref
+        # e.g. a crash before the thread's first blob was written: nothing to resume from
+        self._reject(tid, "none", f"no stored cache in the thread's last {len(older) + 1} checkpoints")
         return None
 
     def _restore(self, tid: str, ref: BlobRef) -> bool:
@@ -469,6 +537,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             self._reject(tid, "incompatible", str(exc), ref)
             return False
         self.restore_failures.pop(tid, None)
+        self._evicted.pop(tid, None)
+        self.restored_from[tid] = ref.sha256
         self._stored[tid] = (_fingerprint(self.threads.session(tid)), ref)
         log.info("kvmemory: thread %r resumes from its stored cache (%d tokens, blob %s)",
                  tid, len(state.token_ids), ref.sha256[:12])

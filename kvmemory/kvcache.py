@@ -82,5 +82,7 @@ def write_rows(cache: DynamicCache, start: int, source: DynamicCache, source_sta
 
 
 def cache_nbytes(cache: DynamicCache) -> int:
-    """Bytes held by the cache's K/V tensors."""
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layer_tensors(cache))
+    """Bytes held by the cache's K/V tensors. Layers not written yet (a new cache, or one a forward
+    pass in another thread is filling right now) hold none."""
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
+               for k, v in layer_tensors(cache) if k is not None and v is not None)

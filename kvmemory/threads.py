@@ -8,6 +8,7 @@ tokenizer are shared, so one thread's repair cannot touch another thread's rows.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -217,8 +218,9 @@ class ThreadCaches:
         model, tokenizer: shared by all threads.
         policy: repair policy of new sessions (RepairPolicy or label such as ``"sur@5"``).
         memory_budget_bytes: cap on the K/V bytes of all live threads (None: unlimited).
-        on_evict: called as ``on_evict(thread_id, session)`` before a thread is dropped (for
-            example to persist its state first).
+        on_evict: called as ``on_evict(thread_id, session)`` before a thread is dropped, with
+            the thread's lock held (for example to persist its state first; it must not lease
+            the thread again).
         model_name: recorded in exported states.
 
     Raises:
@@ -244,6 +246,9 @@ class ThreadCaches:
         self.model_name = model_name
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first
         self._lock = threading.Lock()  # guards the dict, never held while the model runs
+        self._changed = threading.Condition(self._lock)  # notified when a call ends or a thread is dropped
+        self._admitted: dict[int, tuple[str, int]] = {}  # ticket -> (thread id, reserved bytes) of running calls
+        self._tickets = itertools.count()
         self.evictions = 0
 
     # -------------------------------------------------------------- access
@@ -258,32 +263,144 @@ class ThreadCaches:
             return entry
 
     @contextmanager
-    def lease(self, thread_id: str) -> Iterator[KVSession]:
+    def lease(self, thread_id: str, *, reserve_tokens: int = 0) -> Iterator[KVSession]:
         """Exclusive use of a thread's session (created on first use) for one model call.
 
         Calls on the same thread wait for each other; calls on different threads run freely.
-        The budget is enforced when the lease ends. The lock is a plain ``threading.Lock``, so a
-        streaming generator may end the lease from another worker thread.
+        The lock is a plain ``threading.Lock``, so a streaming generator may end the lease from
+        another worker thread.
+
+        Args:
+            reserve_tokens: the most cache rows the call may hold (prompt + answer tokens). Under a
+                budget the call is admitted only once its reservation fits next to every idle
+                thread and every admitted call: least-recently-used idle threads are evicted
+                first, and when that is not enough the call waits for other calls to end. So
+                concurrent calls never hold more K/V than the budget (one call alone larger than
+                the whole budget still runs, and its thread is dropped after it). 0: no
+                reservation (the budget is then enforced only when the lease ends).
+
+        Raises:
+            TypeError: ``thread_id`` is not a str or int.
         """
-        while True:
-            entry = self._entry(thread_id)
-            entry.lock.acquire()
-            if self._entries.get(str(thread_id)) is entry:
-                break
-            entry.lock.release()  # evicted while we waited for it: take a fresh session
-        thread_id = str(thread_id)
+        thread_id = _check_id(thread_id)
+        ticket = self._admit(thread_id, max(0, int(reserve_tokens)) * self.bytes_per_token)
         try:
-            yield entry.session
-        finally:
-            entry.lock.release()
-            with self._lock:
+            while True:
+                entry = self._entry(thread_id)
+                entry.lock.acquire()
                 if self._entries.get(thread_id) is entry:
-                    self._entries.move_to_end(thread_id)
+                    break
+                entry.lock.release()  # evicted while we waited for it: take a fresh session
+            try:
+                yield entry.session
+            finally:
+                entry.lock.release()
+                with self._lock:
+                    if self._entries.get(thread_id) is entry:
+                        self._entries.move_to_end(thread_id)
+        finally:
+            self._release(ticket)
             self.enforce_budget()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K/V bytes one cached token costs over all layers: 2 x layers x kv_heads x head_dim x
+        bytes per element (an upper bound for sliding-window layers)."""
+        text = self.model.config.get_text_config()
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return 2 * text.num_hidden_layers * kv_heads * head_dim * next(self.model.parameters()).element_size()
+
+    def _committed_bytes(self) -> dict[str, int]:
+        """Per thread, what it may hold now: its K/V bytes, or its reservation while a call runs
+        (caller holds ``_lock``)."""
+        held = {tid: e.session.memory_bytes for tid, e in self._entries.items()}
+        for tid, need in self._admitted.values():
+            held[tid] = max(held.get(tid, 0), need)
+        return held
+
+    def _admit(self, thread_id: str, need: int) -> int | None:
+        """Block until ``need`` bytes for a call on ``thread_id`` fit the budget (see :meth:`lease`);
+        returns the admission ticket (None without a budget or a reservation)."""
+        if self.memory_budget_bytes is None or need <= 0:
+            return None
+        while True:
+            with self._changed:
+                held = self._committed_bytes()
+                held[thread_id] = max(held.get(thread_id, 0), need)
+                excess = sum(held.values()) - self.memory_budget_bytes
+                victims: list = []
+                if excess > 0:
+                    protected = {tid for tid, _ in self._admitted.values()} | {thread_id}
+                    victims, freed = self._pick_victims(protected, excess)
+                    if freed < excess:  # evicting every idle thread would not make room
+                        for _, entry in victims:
+                            entry.lock.release()
+                        victims = []
+                        if self._admitted:
+                            self._changed.wait()  # a running call will end and free its reservation
+                            continue
+                        log.warning("kvmemory: a call on thread %r may hold %d bytes of K/V, more than the "
+                                    "budget of %d leaves: it runs alone", thread_id, need, self.memory_budget_bytes)
+                if not victims:
+                    ticket = next(self._tickets)
+                    self._admitted[ticket] = (thread_id, need)
+                    return ticket
+            self._evict(victims)  # outside the registry lock (on_evict may write files); then re-check
+
+    def _release(self, ticket: int | None) -> None:
+        with self._changed:  # also without a ticket: the thread just became idle, hence evictable
+            self._admitted.pop(ticket, None)
+            self._changed.notify_all()
+
+    def _pick_victims(self, protected: set[str], excess: int) -> tuple[list, int]:
+        """Least-recently-used idle threads holding at least ``excess`` bytes (or all idle ones), with
+        their locks taken so no call can start on them (caller holds ``_lock``)."""
+        victims, freed = [], 0
+        for tid, entry in self._entries.items():
+            if freed >= excess:
+                break
+            if tid in protected or not entry.lock.acquire(blocking=False):
+                continue  # admitted or in use right now
+            victims.append((tid, entry))
+            freed += entry.session.memory_bytes
+        return victims, freed
+
+    def _evict(self, victims: list) -> list[str]:
+        """Hand each victim to ``on_evict`` (its lock still held: the state cannot change and the
+        thread still counts as live), then drop it and release its lock."""
+        evicted = []
+        for tid, entry in victims:
+            try:
+                size = entry.session.memory_bytes
+                if self.memory_budget_bytes is not None and size > self.memory_budget_bytes:
+                    log.warning("kvmemory: thread %r holds %d bytes of K/V, more than the whole budget "
+                                "(%d): dropped; its next turn re-prefills", tid, size, self.memory_budget_bytes)
+                if self.on_evict is not None:
+                    try:
+                        self.on_evict(tid, entry.session)
+                    except Exception:  # persisting is best effort: the thread re-prefills without it
+                        log.exception("kvmemory: on_evict failed for thread %r", tid)
+                with self._changed:
+                    if self._entries.get(tid) is entry:
+                        del self._entries[tid]
+                        self.evictions += 1
+                        evicted.append(tid)
+                        self._changed.notify_all()
+            finally:
+                entry.lock.release()
+            log.info("kvmemory: evicted thread %r (least recently used) to stay within %d bytes",
+                     tid, self.memory_budget_bytes)
+        return evicted
 
     def session(self, thread_id: str) -> KVSession:
         """The thread's session without a lease (for inspection; not for concurrent calls)."""
         return self._entry(thread_id).session
+
+    def get(self, thread_id: str) -> KVSession | None:
+        """The thread's session if it is live, else None (unlike :meth:`session`, never creates one)."""
+        entry = self._entries.get(str(thread_id))
+        return None if entry is None else entry.session
 
     def __contains__(self, thread_id: object) -> bool:
         return str(thread_id) in self._entries
@@ -306,37 +423,16 @@ class ThreadCaches:
         """Evict least-recently-used idle threads until all K/V fits the budget.
 
         Returns:
-            the evicted thread ids (oldest first). Threads in use (leased) are skipped.
+            the evicted thread ids (oldest first). Threads in use (leased) or admitted are skipped.
         """
         if self.memory_budget_bytes is None:
             return []
-        evicted = []
-        with self._lock:
-            sizes = {tid: e.session.memory_bytes for tid, e in self._entries.items()}
-            total = sum(sizes.values())
-            for tid in list(self._entries):
-                if total <= self.memory_budget_bytes:
-                    break
-                entry = self._entries[tid]
-                if not entry.lock.acquire(blocking=False):
-                    continue  # in use right now
-                try:
-                    if sizes[tid] > self.memory_budget_bytes:
-                        log.warning("kvmemory: thread %r holds %d bytes of K/V, more than the whole budget "
-                                    "(%d): dropped; its next turn re-prefills", tid, sizes[tid],
-                                    self.memory_budget_bytes)
-                    del self._entries[tid]
-                    total -= sizes[tid]
-                    evicted.append((tid, entry))
-                finally:
-                    entry.lock.release()
-        for tid, entry in evicted:
-            self.evictions += 1
-            log.info("kvmemory: evicted thread %r (least recently used) to stay within %d bytes",
-                     tid, self.memory_budget_bytes)
-            if self.on_evict is not None:
-                self.on_evict(tid, entry.session)
-        return [tid for tid, _ in evicted]
+        with self._changed:
+            excess = sum(self._committed_bytes().values()) - self.memory_budget_bytes
+            if excess <= 0:
+                return []
+            victims, _ = self._pick_victims({tid for tid, _ in self._admitted.values()}, excess)
+        return self._evict(victims)
 
     def drop(self, thread_id: str) -> bool:
         """Forget a thread's cache (its next turn re-prefills). Returns whether it was live."""
@@ -359,7 +455,7 @@ class ThreadCaches:
         if state.model_name and self.model_name and state.model_name != self.model_name:
             raise CacheStateError(f"state was computed by {state.model_name!r}, this registry runs "
                                   f"{self.model_name!r}: re-prefill from the messages")
-        with self.lease(thread_id) as session:
+        with self.lease(thread_id, reserve_tokens=len(state.token_ids)) as session:  # its rows count against the budget
             import_state(session, state)
         return session
 
