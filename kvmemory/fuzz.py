@@ -42,7 +42,7 @@ OPS = ("append", "delete", "replace", "insert", "summarise", "clear_tool", "rese
 RESEND_MODES = ("fresh", "reset", "remove_all", "same")
 PLACEHOLDER = "[tool output cleared]"
 # sequences per model: (tiny models each, embedded). "full" >= 1,000 in total (issue 7).
-PROFILE_SIZES = {"reduced": (6, 0), "full": (320, 60)}
+PROFILE_SIZES = {"reduced": (8, 2), "full": (320, 60)}
 MAX_FAILURES = 8  # distinct counterexamples recorded per profile before giving up on more
 
 PHRASES = (
@@ -216,10 +216,14 @@ def _apply_edit(msgs: _Messages, step: Step) -> None:
 
 @dataclass
 class SequenceResult:
-    """What running one case found: ``steps`` prepared/generated, violations ``[(step, text)]``."""
+    """What running one case found: ``steps`` checked, violations ``[(step, text)]``, and how
+    many repairs left stale rows (``sparse_repairs``: b < 100 % with S > 0) or fell back to exact
+    recomputation (``fallbacks``)."""
 
     steps: int = 0
     violations: list[tuple[int, str]] = field(default_factory=list)
+    sparse_repairs: int = 0
+    fallbacks: int = 0
 
 
 def run_case(case: FuzzCase, pool: ModelPool, *, fidelity: bool = True) -> SequenceResult:
@@ -245,7 +249,9 @@ def run_case(case: FuzzCase, pool: ModelPool, *, fidelity: bool = True) -> Seque
 
     def prepare(i: int, step: Step | None) -> None:
         with caches.lease("t") as session:
-            session.prepare(msgs.items, policy=step.policy if step else None)
+            report = session.prepare(msgs.items, policy=step.policy if step else None)
+        result.sparse_repairs += report.refreshed_tokens < report.stale_tokens
+        result.fallbacks += report.fallback is not None
         check(i, step, msgs.items)
 
     try:
@@ -297,6 +303,8 @@ class FuzzStats:
     steps: int = 0
     invariant_violations: int = 0
     failing_sequences: int = 0
+    sparse_repairs: int = 0
+    fallbacks: int = 0
     counterexamples: list[str] = field(default_factory=list)
     per_model: dict[str, int] = field(default_factory=dict)
 
@@ -321,6 +329,8 @@ def fuzz_model(model: str, examples: int, *, seed: int, pool: ModelPool, stats: 
             result = run_case(case, pool)
             stats.sequences_tried += 1
             stats.steps += result.steps
+            stats.sparse_repairs += result.sparse_repairs
+            stats.fallbacks += result.fallbacks
             stats.per_model[model] = stats.per_model.get(model, 0) + 1
             if progress:
                 progress()
@@ -357,7 +367,8 @@ def run_fuzz_profile(size: str, *, seed: int = 0, workdir: Path | None = None, p
         pool: models already loaded (tests pass one to share the embedded model).
 
     Returns:
-        ``{"sequences_tried", "steps", "invariant_violations", "failing_sequences", "ok",
+        ``{"sequences_tried", "steps", "invariant_violations", "failing_sequences", "sparse_repairs"
+        (steps that left stale rows: b < 100 %), "fallbacks" (exact recomputation instead), "ok",
         "models": {name: sequences}, "counterexamples": [str], "seconds_per_sequence"}``.
 
     Raises:
@@ -389,6 +400,8 @@ def run_fuzz_profile(size: str, *, seed: int = 0, workdir: Path | None = None, p
         "steps": stats.steps,
         "invariant_violations": stats.invariant_violations,
         "failing_sequences": stats.failing_sequences,
+        "sparse_repairs": stats.sparse_repairs,
+        "fallbacks": stats.fallbacks,
         "ok": stats.invariant_violations == 0 and stats.failing_sequences == 0,
         "models": dict(stats.per_model),
         "counterexamples": stats.counterexamples,

@@ -49,6 +49,7 @@ def test_reduced_profile_on_tiny_models_finds_no_violation(pool):
     assert result["invariant_violations"] == 0
     assert result["sequences_tried"] >= 3 * 6 and result["steps"] > result["sequences_tried"]
     assert set(result["models"]) == {"tiny-llama", "tiny-qwen2", "tiny-qwen3"}
+    assert result["sparse_repairs"] > 0
 
 
 @pytest.mark.real_model
@@ -70,6 +71,7 @@ def test_every_edit_kind_keeps_the_invariants_on_the_embedded_model(pool):
                      Step("resend", mode="remove_all", budget=100), Step("append", role="tool", text="done")))
     result = run_case(case, pool)
     assert result.violations == [] and result.steps >= len(case.steps) + 1
+    assert result.sparse_repairs >= 3  # stale rows were left and checked (b < 100 %)
 
 
 def test_unknown_profile_or_model_is_refused():
