@@ -14,7 +14,8 @@ now and then Replay or Re-prefill. Indices are taken modulo the current list len
 generated sequence is valid and shrinks to a short one.
 
 Models: tiny random-weight Llama / Qwen2 / Qwen3 configs that share the embedded model's
-tokenizer and chat template (fast, most sequences) and the embedded SmolLM2-135M-Instruct.
+tokenizer and chat template (fast, most sequences), a tiny Llama with a LoRA adapter (so
+CacheReforge retains boundary states) and the embedded SmolLM2-135M-Instruct.
 ``python -m kvmemory.fuzz`` is not provided; run ``kvmemory bench reliability --profiles fuzz``.
 """
 
@@ -36,13 +37,14 @@ from .selection import ALLOCATOR_NAMES
 log = logging.getLogger(__name__)
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3")
-MODELS = tuple(f"tiny-{f}" for f in TINY_FAMILIES) + ("embedded",)
+# tiny-llama-lora: CacheReforge retains boundary states (memory accounting must count them)
+MODELS = tuple(f"tiny-{f}" for f in TINY_FAMILIES) + ("tiny-llama-lora", "embedded")
 BUDGETS = (0.0, 2.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0)  # b in %
 OPS = ("append", "delete", "replace", "insert", "summarise", "clear_tool", "resend", "generate")
 RESEND_MODES = ("fresh", "reset", "remove_all", "same")
 PLACEHOLDER = "[tool output cleared]"
 # sequences per model: (tiny models each, embedded). "full" >= 1,000 in total (issue 7).
-PROFILE_SIZES = {"reduced": (8, 2), "full": (320, 60)}
+PROFILE_SIZES = {"reduced": (6, 2), "full": (250, 60)}
 MAX_FAILURES = 8  # distinct counterexamples recorded per profile before giving up on more
 
 PHRASES = (
@@ -137,18 +139,32 @@ def cases(model: str, max_steps: int = 6):
 
 
 # -------------------------------------------------------------------- models
-def tiny_model(family: str, seed: int = 0):
-    """A 2-layer random-weight ``family`` (llama | qwen2 | qwen3) model, fp32, with the embedded
-    tokenizer's vocabulary (49152), so SmolLM2's chat template and tokenizer drive it."""
+def tiny_model(family: str, seed: int = 0, layers: int = 2):
+    """A ``layers``-layer random-weight ``family`` (llama | qwen2 | qwen3) model, fp32, with the
+    embedded tokenizer's vocabulary (49152), so SmolLM2's chat template and tokenizer drive it."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=2,
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def tiny_lora_model(seed: int = 0):
+    """A 4-layer tiny Llama with a PEFT LoRA adapter (r = 4) on q/v/down projections of layers 2
+    and 3, only layer 2's trainable: CacheReforge then retains the boundary states entering
+    layer 2 (its restart layer) for every cached row."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("llama", seed, layers=4), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[2, 3]))
+    for name, p in model.named_parameters():
+        if "lora" in name and "layers.2." not in name:
+            p.requires_grad_(False)
+    return model.eval()
 
 
 class ModelPool:
@@ -170,7 +186,8 @@ class ModelPool:
         if name == "embedded":
             return base.model, base.tokenizer
         if name not in self._models:
-            self._models[name] = tiny_model(name.removeprefix("tiny-"))
+            family = name.removeprefix("tiny-")
+            self._models[name] = tiny_lora_model() if family == "llama-lora" else tiny_model(family)
         return self._models[name], base.tokenizer
 
 
@@ -316,9 +333,10 @@ def fuzz_model(model: str, examples: int, *, seed: int, pool: ModelPool, stats: 
     seed, at most :data:`MAX_FAILURES` times)."""
     hypothesis, _ = _hypothesis()
     attempt = 0
+    failing: list[tuple[FuzzCase, SequenceResult]] = []
     while True:
         target = stats.per_model.get(model, 0) + examples
-        failing: list[tuple[FuzzCase, SequenceResult]] = []
+        failing.clear()
 
         @hypothesis.settings(max_examples=max(1, examples), deadline=None, database=None, derandomize=False,
                              suppress_health_check=list(hypothesis.HealthCheck), print_blob=False,
@@ -359,7 +377,8 @@ def run_fuzz_profile(size: str, *, seed: int = 0, workdir: Path | None = None, p
 
     Args:
         size: ``"reduced"`` (``make test``: a few sequences per tiny model) or ``"full"``
-            (:data:`PROFILE_SIZES`: 320 per tiny model + 60 on the embedded model = 1,020).
+            (:data:`PROFILE_SIZES`: 250 on each of the 4 tiny models + 60 on the embedded
+            model = 1,060).
         seed: hypothesis seed (the run is deterministic for a given seed).
         workdir: unused (the fuzz profile writes no files); accepted for the common interface.
         progress: show a tqdm bar over the sequences.

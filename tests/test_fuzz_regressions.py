@@ -10,6 +10,7 @@ import pytest
 
 from kvmemory.fuzz import FuzzCase, ModelPool, Step, run_case
 from kvmemory.prompt import normalize_messages, render_prompt
+from kvmemory.session import KVSession
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +39,23 @@ def test_reused_tail_bounds_equal_a_fresh_rendering(tokenizer):
     fresh = render_prompt(tokenizer, after)
     assert reused.segments == fresh.segments
     assert reused.segments[0].char_start == 0 and reused.text.startswith("<|im_start|>system")
+
+
+def test_memory_bytes_counts_cachereforge_boundary_states(pool):
+    # Found by invariant (c) once the fuzzer ran a LoRA model: KVSession.memory_bytes (and so
+    # ThreadCaches' memory budget) counted only K/V, not the boundary states CacheReforge
+    # retains for every cached row (here 8,448 B next to 33,792 B of K/V, a 25 % undercount).
+    case = FuzzCase("tiny-llama-lora", (("system", "hi"), ("user", "Where is it?")),
+                    (Step(op="append", role="tool", text="Port Calder has three lighthouses."),))
+    result = run_case(case, pool)
+    assert result.violations == []
+    model, tokenizer = pool.get("tiny-llama-lora")
+    session = KVSession(model, tokenizer)
+    session.prepare([{"role": "user", "content": "Where is Port Calder?"}])
+    assert session.reforge.boundary_bytes > 0
+    assert session.memory_bytes == sum(t.numel() * t.element_size() for t in _session_tensors(session))
+
+
+def _session_tensors(session):
+    kv = [t for layer in session.cache.layers for t in (layer.keys, layer.values)]
+    return kv + [b.hidden for b in session.reforge.boundaries.states.values()]
