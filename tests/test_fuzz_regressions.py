@@ -59,3 +59,18 @@ def test_memory_bytes_counts_cachereforge_boundary_states(pool):
 def _session_tensors(session):
     kv = [t for layer in session.cache.layers for t in (layer.keys, layer.values)]
     return kv + [b.hidden for b in session.reforge.boundaries.states.values()]
+
+
+@pytest.mark.parametrize("allocator", ["prophetkv", "infoflow", "a3", "sur"])
+def test_resending_after_a_sparse_repair_with_a_query_attention_allocator(pool, allocator):
+    # Found in the full profile (tiny-llama, shrunk). Step 1 repairs at b = 0, so rows from the
+    # edit point to the end are stale, the last prompt row included. Step 2 resends the same
+    # messages: the stale run reached the last position, the query after it was empty, and
+    # ProphetKV / InfoFlow / A3 forwarded 0 tokens (RuntimeError in the attention reshape).
+    # The last position is recomputed anyway, so it is no longer offered to the allocators.
+    question = "Where was the founder of Ostrava Nova born?"
+    case = FuzzCase("tiny-llama", (("system", question), ("user", question), ("user", question)),
+                    (Step(op="delete", index=0, budget=0.0),
+                     Step(op="replace", text=question, index=0, budget=2.0, allocator=allocator)))
+    result = run_case(case, pool)
+    assert result.violations == [] and result.sparse_repairs == 2
