@@ -294,6 +294,8 @@ def _run_step(i: int, step: Step, msgs: _Messages, caches, prepare: Callable, ch
             msgs.items = saved
         prepare(i, step)
     elif step.op == "generate":
+        if caches.session("t").next_logits is None:  # the last answer ended (committed): a new turn first
+            prepare(i, step)
         with caches.lease("t") as session:
             gen = session.generate(max_new_tokens=1 + step.count % 3)
         check(i, step, msgs.items)

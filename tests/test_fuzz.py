@@ -192,3 +192,13 @@ def test_fidelity_check_reports_an_overstated_exact_prefix(llama, tokenizer):
     s.exact_rows = len(s.token_ids)  # claims the Shifted rows are exact
     assert any("claimed exact differ" in v for v in fidelity_violations(s))
 
+
+
+def test_two_committed_answers_in_a_row(pool, monkeypatch):
+    # the harness prepares a new turn when the last answer ended (generate would refuse)
+    stop = pool.get("tiny-llama")[1].eos_token_id
+    monkeypatch.setattr("kvmemory.session._pick", lambda logits, temperature, generator: stop)
+    case = FuzzCase("tiny-llama", (("system", "hi"), ("user", "Say ok.")),
+                    (Step("generate", mode="commit"), Step("generate", mode="commit")))
+    result = run_case(case, pool)
+    assert result.violations == [] and result.steps == 6  # prepare + (generate, commit) + (prepare, generate, commit)
