@@ -257,7 +257,7 @@ def _reuse_previous_bounds(messages, text: str, previous: RenderedPrompt, bounds
         end, old_start, old_end = bounds[n], old[m - tail].char_start, old[m - 1].char_end
         start = end - (old_end - old_start)
         if start >= (bounds[head] or 0) and text[start:end] == old_text[old_start:old_end]:
-            for i in range(1, tail + 1):
+            for i in range(1, min(tail, n - 1) + 1):  # bounds[0] stays 0: the template's preamble is message 0's
                 bounds[n - i] = end - (old_end - old[m - i].char_start)
 
 

@@ -205,7 +205,7 @@ def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
         return shifted
 
     return RepairSignals(
-        model=ctx.model, token_ids=new.token_ids, eligible=plan.suffix_positions, old_ids=cached_ids,
+        model=ctx.model, token_ids=new.token_ids, eligible=_eligible(plan), old_ids=cached_ids,
         dirty_cache=cache, reuse=plan.reuse, exact_prefix=plan.exact_prefix, make_shift_cache=shift_cache,
         shifter=ctx.shifter,
     )
@@ -214,6 +214,8 @@ def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
 def _select(
     ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: RepairPolicy, B: int, signals: RepairSignals | None
 ) -> list[int]:
+    eligible = _eligible(plan)
+    B = min(B, len(eligible))
     if B == 0:
         return []
     spans = [
@@ -224,12 +226,21 @@ def _select(
         token_ids=new.token_ids,
         offsets=new.offsets,
         messages=spans,
-        eligible=plan.suffix_positions,
+        eligible=eligible,
         query_ids=ctx.query_ids,
         query_text=ctx.query_text,
     )
     embedding = ctx.model.get_input_embeddings().weight
     return select(policy.allocator, inp, B, embedding=embedding, seed=policy.seed, signals=signals)
+
+
+def _eligible(plan: EditPlan) -> list[int]:
+    """Stale positions the allocator chooses from: the suffix s without the last prompt
+    position, which is recomputed anyway (its logits are the answer's). Without this, a stale
+    last row (same messages resent after a sparse repair) left the query-attention allocators
+    (ProphetKV, InfoFlow, A3) an empty query to forward, and cost the others a slot of B."""
+    last = plan.new_length - 1
+    return [p for p in plan.suffix_positions if p != last]
 
 
 def _source_rows(plan: EditPlan, total: int | None = None) -> torch.Tensor:

@@ -110,8 +110,9 @@ class KVSession:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of K/V held for this conversation."""
-        return kvcache.cache_nbytes(self.cache)
+        """Bytes held for this conversation: K/V rows plus CacheReforge's retained boundary states
+        (hidden states ``[1, N, hidden]`` per restart layer; 0 without LoRA layers)."""
+        return kvcache.cache_nbytes(self.cache) + self.reforge.boundary_bytes
 
     def fork(self) -> "KVSession":
         """An independent copy (cache cloned) sharing the model, e.g. to try several repairs."""

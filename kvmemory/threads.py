@@ -209,15 +209,16 @@ class ThreadCaches:
     """Live caches of many threads under one memory budget.
 
     Each thread id maps to its own :class:`KVSession` (created on first use). After every use the
-    registry evicts least-recently-used idle threads until the K/V bytes of all threads fit in
-    ``memory_budget_bytes``; an evicted thread simply re-prefills on its next turn (its messages
-    live with the caller, e.g. in a LangGraph checkpoint). A thread larger than the whole budget
+    registry evicts least-recently-used idle threads until the bytes of all threads (K/V +
+    CacheReforge boundary states) fit in ``memory_budget_bytes``; an evicted thread simply
+    re-prefills on its next turn (its messages live with the caller, e.g. in a LangGraph
+    checkpoint). A thread larger than the whole budget
     is evicted too, after its call, and the reason is logged.
 
     Args:
         model, tokenizer: shared by all threads.
         policy: repair policy of new sessions (RepairPolicy or label such as ``"sur@5"``).
-        memory_budget_bytes: cap on the K/V bytes of all live threads (None: unlimited).
+        memory_budget_bytes: cap on the bytes (K/V + boundary states) of all live threads (None: unlimited).
         on_evict: called as ``on_evict(thread_id, session)`` before a thread is dropped, with
             the thread's lock held (for example to persist its state first; it must not lease
             the thread again).
@@ -415,7 +416,8 @@ class ThreadCaches:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes of K/V held by all live threads."""
+        """Bytes held by all live threads (K/V + CacheReforge boundary states, see
+        ``KVSession.memory_bytes``)."""
         return sum(e.session.memory_bytes for e in list(self._entries.values()))
 
     # ------------------------------------------------------------ eviction
