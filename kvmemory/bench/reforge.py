@@ -52,7 +52,7 @@ def run(args, console) -> int:
                          context_regime=context_regime(w.passages))
         profile = ReforgeProfile.load(args.profile, expect=key)
     else:
-        samples = args.calib_samples or (1 if args.quick else 2)
+        samples = args.calib_samples or (1 if args.quick else 16)
         profile = run_calibration(w, args, console, samples=samples, **calibration_plan(args.quick, args))
     calibration_s = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)

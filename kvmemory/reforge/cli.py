@@ -29,7 +29,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     parser.add_argument("--magnitude", type=float, default=1e-2, help="update magnitude = Adam step size (default 1e-2)")
     parser.add_argument("--passages", type=int, default=None, help="passages per prompt (default 2, the supporting ones)")
-    parser.add_argument("--calib-samples", type=int, default=None, help="calibration prompts (default 2; quick 1)")
+    parser.add_argument("--calib-samples", type=int, default=None, help="calibration prompts (default 16, the paper's paired samples per profile; quick 1)")
     parser.add_argument("--answer-tokens", type=int, default=None,
                         help="greedy answer length for held-out task scores (default 4; quick 3; 0 disables)")
     parser.add_argument("--gaps", type=_ints, default=None,
@@ -147,7 +147,7 @@ def run(args, console) -> int:
     if args.updates is not None:
         plan["updates"] = args.updates
     w = load_workload(args, console)
-    samples = args.calib_samples or (1 if args.quick else 2)
+    samples = args.calib_samples or (1 if args.quick else 16)
     profile = run_calibration(w, args, console, samples=samples, **plan)
     profile.save(args.out)
     labelled = [i for i, s in enumerate(profile.sensitivity) if s > 0]
