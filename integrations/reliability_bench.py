@@ -99,7 +99,7 @@ def markdown(result: dict) -> str:
     meta = result["meta"]
     lines = [f"# Reliability report ({meta['size']} profiles, seed {meta['seed']})", "",
              f"torch {meta['torch']}, Python {meta['python']}, {meta['cpu_threads']} CPU threads, "
-             f"started {meta['started']}.", ""]
+             f"started {meta['started']}." + (f" {meta['note']}" if meta.get("note") else ""), ""]
     for name, counts in result["profiles"].items():
         lines += [f"## {name}: {'no violations' if counts.get('ok') else 'VIOLATIONS FOUND'} "
                   f"({counts.get('seconds', 0):.0f} s)", "", "| count | value |", "|---|---|"]
