@@ -57,3 +57,22 @@ def prepared(model, tokenizer, msgs) -> KVSession:
     s = KVSession(model, tokenizer)
     s.prepare(msgs)
     return s
+
+
+def answer_graph(registry, saver):
+    """A one-node LangGraph agent that leases the thread's session from ``registry`` and answers
+    with 4 greedy tokens; checkpoints go to ``saver``."""
+    from langchain_core.messages import AIMessage
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    def answer(state: MessagesState, config):
+        roles = {"system": "system", "human": "user", "ai": "assistant"}
+        with registry.lease(config["configurable"]["thread_id"]) as session:
+            session.prepare([{"role": roles[m.type], "content": m.content, "id": m.id} for m in state["messages"]])
+            text = session.generate(4).text
+        return {"messages": [AIMessage(text)]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("answer", answer)
+    builder.add_edge(START, "answer")
+    return builder.compile(checkpointer=saver)

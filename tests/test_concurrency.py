@@ -9,14 +9,13 @@ import time
 
 import pytest
 import torch
-from langchain_core.messages import AIMessage, HumanMessage
-from langgraph.graph import START, MessagesState, StateGraph
+from langchain_core.messages import HumanMessage
 
 from kvmemory import kvcache
 from kvmemory.threads import ThreadCaches
 from langchain_kvmemory.checkpointer import KVCheckpointSaver
 from langchain_kvmemory.concurrency_harness import run_case, run_concurrency_profile
-from support import history, tiny_model
+from support import answer_graph, history, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -90,24 +89,10 @@ def test_importing_a_stored_cache_makes_room_before_it_loads(llama, tokenizer):
     assert reg.memory_bytes <= reg.memory_budget_bytes
 
 
-def _graph(registry: ThreadCaches, saver):
-    def answer(state: MessagesState, config):
-        roles = {"system": "system", "human": "user", "ai": "assistant"}
-        with registry.lease(config["configurable"]["thread_id"]) as session:
-            session.prepare([{"role": roles[m.type], "content": m.content, "id": m.id} for m in state["messages"]])
-            text = session.generate(4).text
-        return {"messages": [AIMessage(text)]}
-
-    builder = StateGraph(MessagesState)
-    builder.add_node("answer", answer)
-    builder.add_edge(START, "answer")
-    return builder.compile(checkpointer=saver)
-
-
 def test_an_evicted_thread_resumes_from_the_blob_written_when_it_was_evicted(tmp_path, llama, tokenizer):
     reg = ThreadCaches(llama, tokenizer, memory_budget_bytes=None)
     with KVCheckpointSaver.from_sqlite(tmp_path / "chk.sqlite", reg) as saver:
-        graph = _graph(reg, saver)
+        graph = answer_graph(reg, saver)
         a = {"configurable": {"thread_id": "a"}}
         graph.invoke({"messages": [HumanMessage("Where is the river?", id="h1")]}, a)
         session = reg.get("a")

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-from langgraph.graph import START, MessagesState, StateGraph
+from langchain_core.messages import HumanMessage, SystemMessage
 
 from kvmemory.threads import ThreadCaches
 from langchain_kvmemory.blobs import BlobStore
 from langchain_kvmemory.checkpointer import CACHE_KEY, KVCheckpointSaver
 from langchain_kvmemory.crash_harness import Journal, Life, Tally, _spawn, check_messages, run_crash_profile
-from support import tiny_model
+from support import answer_graph, tiny_model
 
 CONFIG = {"configurable": {"thread_id": "t-1"}}
 
@@ -80,25 +79,11 @@ def _ref(path: Path):
 
 
 # ------------------------------------------------------------- damaged and foreign blobs
-def _graph(registry: ThreadCaches, saver):
-    def answer(state: MessagesState, config):
-        roles = {"system": "system", "human": "user", "ai": "assistant"}
-        with registry.lease(config["configurable"]["thread_id"]) as session:
-            session.prepare([{"role": roles[m.type], "content": m.content, "id": m.id} for m in state["messages"]])
-            text = session.generate(4).text
-        return {"messages": [AIMessage(text)]}
-
-    builder = StateGraph(MessagesState)
-    builder.add_node("answer", answer)
-    builder.add_edge(START, "answer")
-    return builder.compile(checkpointer=saver)
-
-
 @pytest.mark.parametrize("damage", ["truncate", "flip-first", "flip-last", "wrong-model"])
 def test_a_damaged_or_foreign_blob_is_never_loaded(tmp_path, tokenizer, llama, damage):
     db = tmp_path / "chk.sqlite"
     with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer, model_name="a")) as saver:
-        _graph(saver.threads, saver).invoke({"messages": [SystemMessage("Be brief.", id="s"),
+        answer_graph(saver.threads, saver).invoke({"messages": [SystemMessage("Be brief.", id="s"),
                                                          HumanMessage("Hi?", id="h")]}, CONFIG)
         sha = saver.get_tuple(CONFIG).metadata[CACHE_KEY]["sha256"]
     path = BlobStore(tmp_path / "chk.sqlite.kvcache").path(sha)
@@ -110,12 +95,12 @@ def test_a_damaged_or_foreign_blob_is_never_loaded(tmp_path, tokenizer, llama, d
         path.write_bytes(data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:])
     name = "b" if damage == "wrong-model" else "a"
     with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer, model_name=name)) as saver:
-        _graph(saver.threads, saver).invoke({"messages": [HumanMessage("And now?", id="h2")]}, CONFIG)
+        answer_graph(saver.threads, saver).invoke({"messages": [HumanMessage("And now?", id="h2")]}, CONFIG)
         reason = {"truncate": "truncated", "wrong-model": "incompatible"}.get(damage, "mismatch")
         assert saver.restore_failures["t-1"].startswith(reason)
         assert "t-1" not in saver.restored_from  # nothing was loaded from it
         assert saver.threads.session("t-1").last_report.reused_tokens == 0  # re-prefilled instead
-        messages = _graph(saver.threads, saver).get_state(CONFIG).values["messages"]
+        messages = answer_graph(saver.threads, saver).get_state(CONFIG).values["messages"]
         assert [m.id for m in messages][:2] == ["s", "h"] and len(messages) == 5  # nothing lost
 
 
@@ -150,9 +135,9 @@ def test_gc_removes_unreferenced_blobs_and_stale_temp_files_only(tmp_path):
 def test_a_restart_before_any_blob_was_written_records_why_it_reprefills(tmp_path, tokenizer, llama):
     db = tmp_path / "chk.sqlite"
     with KVCheckpointSaver.from_sqlite(db) as plain:  # checkpoints only, as if killed before any blob
-        _graph(ThreadCaches(llama, tokenizer), plain).invoke({"messages": [HumanMessage("Hi?", id="h")]}, CONFIG)
+        answer_graph(ThreadCaches(llama, tokenizer), plain).invoke({"messages": [HumanMessage("Hi?", id="h")]}, CONFIG)
     with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
-        _graph(saver.threads, saver).invoke({"messages": [HumanMessage("Again?", id="h2")]}, CONFIG)
+        answer_graph(saver.threads, saver).invoke({"messages": [HumanMessage("Again?", id="h2")]}, CONFIG)
         assert saver.restore_failures["t-1"].startswith("none")
 
 
