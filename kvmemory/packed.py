@@ -134,7 +134,8 @@ def run_packed(
     logits = None
     if int(positions[-1]) == n - 1:
         decoder = model.get_decoder()
-        logits = model.get_output_embeddings()(decoder.norm(hidden[:, -1:]))[0, -1].float()
+        with torch.no_grad():  # an autograd graph here would also leak into callers' logits
+            logits = model.get_output_embeddings()(decoder.norm(hidden[:, -1:]))[0, -1].float()
     return target, ForwardResult(next_logits=logits, forwarded_tokens=int(positions.numel()))
 
 

@@ -151,6 +151,8 @@ def test_in_place_returns_the_same_cache(tiny_shifted):
     positions = refresh_set(f, len(session.token_ids), 4, "last")
     out, result = run_packed(model, cache, torch.tensor(session.token_ids), positions, in_place=True)
     assert out is cache and result.forwarded_tokens == B and result.next_logits is not None
+    # an autograd graph on the logits would pin every layer's activations in callers' memory
+    assert not result.next_logits.requires_grad
 
 
 def test_rows_past_the_cache_end_must_be_selected(tiny_shifted):
