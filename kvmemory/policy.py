@@ -116,7 +116,9 @@ class RepairReport:
     allowance B spent on stale rows; ``reused_tokens`` rows were served from the live cache.
     ``spans`` are the computed position intervals ``[a, b)``, ``intervals`` their count.
     ``latency_ms`` is the whole ``prepare`` call: rendering, planning, selection, Shift, refresh
-    and query prefill, up to the first-token distribution.
+    and query prefill, up to the first-token distribution. ``replayed_probe_ms`` is the measured
+    time of allocation probes reused from :func:`kvmemory.selection.shared_signals` (evaluation
+    harnesses); it is included in ``selection_ms`` and ``latency_ms``.
     ``fallback`` says why a cheaper path was replaced by exact recomputation (None if not): the
     capability gate that applied (sliding windows, mrope, dynamic RoPE, quantized cache, ...).
     ``capability_notes`` are model facts that change no result (e.g. mixture-of-experts).
@@ -147,6 +149,7 @@ class RepairReport:
     shift_ms: float = 0.0
     refresh_ms: float = 0.0
     latency_ms: float = 0.0
+    replayed_probe_ms: float = 0.0  # allocation probes reused via selection.shared_signals; in selection_ms and latency_ms
     erased: dict | None = None  # strict erase: messages, from_row, rows_recomputed, rows_overwritten
 
     def to_dict(self) -> dict:

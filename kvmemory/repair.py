@@ -122,7 +122,7 @@ def repair(
             result = _replay(ctx.model, cache, ids, plan, report)
         else:
             result = _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report)
-    report.latency_ms = _ms(t0)
+    report.latency_ms = _ms(t0) + report.replayed_probe_ms
     return result
 
 
@@ -167,8 +167,10 @@ def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, repor
 
 def _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report) -> RepairResult:
     t0 = time.perf_counter()
-    selected = _select(ctx, new, plan, policy, B, _signals(ctx, cache, cached_ids, new, plan, policy))
-    report.selection_ms = _ms(t0)
+    signals = _signals(ctx, cache, cached_ids, new, plan, policy)
+    selected = _select(ctx, new, plan, policy, B, signals)
+    report.replayed_probe_ms = signals.replayed_ms if signals is not None else 0.0
+    report.selection_ms = _ms(t0) + report.replayed_probe_ms
 
     intervals = to_intervals(sorted(set(plan.new_positions) | set(selected)))
     if not intervals or intervals[-1][1] != ids.shape[0]:

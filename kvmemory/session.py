@@ -189,7 +189,7 @@ class KVSession:
             self.pending_erasures.extend(k for k in erased if k not in self.pending_erasures)
         if fallback and plan.common_prefix < len(self.token_ids):  # only an edit loses segment reuse
             report.fallback = report.fallback or fallback
-        report.latency_ms = (time.perf_counter() - t0) * 1000.0  # rendering and planning included
+        report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:
             log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
         self.cache, self.token_ids, self.rendered = result.cache, list(new.token_ids), new

@@ -106,3 +106,43 @@ def test_signal_allocators_need_signals():
     with pytest.raises(ValueError, match="reads model signals"):
         select("prophetkv", inp, 1)
     assert select("legolink", inp, 1) == [0]  # geometry only
+
+
+def _forward_counter(model):
+    calls = [0]
+    handle = model.get_decoder().layers[0].register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    return calls, handle
+
+
+def test_shared_signals_reuse_probes_and_charge_their_time(tokenizer, recorded):
+    """Inside shared_signals a probe runs once per edit: later repairs select the same positions
+    with fewer forwards, and their selection time still includes the probe's measured time."""
+    from kvmemory.selection import shared_signals
+
+    model = tiny_model("llama")
+    base = KVSession(model, tokenizer)
+    base.prepare(history())
+    edited = without(history(), "t2") + [QUERY]
+    calls, handle = _forward_counter(model)
+    try:
+        alone = {}
+        for name in sorted(SIGNAL_ALLOCATORS):
+            before = calls[0]
+            alone[name] = (base.fork().prepare(edited, policy=f"{name}@20").spans, calls[0] - before)
+        with shared_signals():
+            for name in sorted(SIGNAL_ALLOCATORS):
+                first = base.fork().prepare(edited, policy=f"{name}@20")
+                before = calls[0]
+                second = base.fork().prepare(edited, policy=f"{name}@20")
+                repeat_calls = calls[0] - before
+                assert first.spans == second.spans == alone[name][0], name
+                if name != "legolink":  # the one signal allocator that reads geometry only, no probe
+                    assert second.replayed_probe_ms > 0, name
+                assert repeat_calls <= alone[name][1], name
+                if name not in ("legolink", "cachetune"):  # the others' probes are model forwards
+                    assert repeat_calls < alone[name][1], name
+                assert second.selection_ms >= second.replayed_probe_ms and second.latency_ms >= second.selection_ms
+        other = base.fork().prepare(without(history(), "t3") + [QUERY], policy="oracle@20")
+        assert other.replayed_probe_ms == 0.0  # outside the block nothing is shared
+    finally:
+        handle.remove()

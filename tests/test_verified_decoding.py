@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvmemory.evaluation.decoding import verified_greedy
+from kvmemory.evaluation.decoding import _proposal, verified_greedy
 from kvmemory.policy import RepairPolicy
 from support import history, prepared, without
 
@@ -24,7 +24,21 @@ def _check(session, max_new_tokens: int) -> int:
         assert got.token_ids == stepwise.token_ids, name
         assert got.text == stepwise.text and got.finish_reason == stepwise.finish_reason, name
         assert torch.equal(got.first_logits, stepwise.first_logits), name
+    # alternatives: a wrong draft plus answers that agree with the greedy one only after it leaves the draft
+    ref = stepwise.token_ids
+    wrong = _drafts(ref)["diverging"]
+    alternatives = [ref[:3] + [(ref[3] + 7) % 1000] if len(ref) > 3 else [], ref[:-1], [ref[0]]]
+    got = verified_greedy(session.fork(), wrong, max_new_tokens, alternatives=alternatives)
+    assert got.token_ids == ref and got.text == stepwise.text and got.finish_reason == stepwise.finish_reason
     return len(stepwise.token_ids)
+
+
+def test_proposal_picks_the_longest_agreeing_answer():
+    candidates = [[1, 2, 3], [1, 2, 4, 5, 6], [9, 9], [1, 2, 4, 5]]
+    assert _proposal([1, 2, 4], candidates, 10) == [4, 5, 6]
+    assert _proposal([1, 2, 4], candidates, 2) == [4, 5]  # the limit cuts it
+    assert _proposal([7], candidates, 10) == [7]  # nobody agrees: the greedy token alone
+    assert _proposal([1, 2, 3], candidates, 10) == [3]
 
 
 def test_verified_equals_stepwise_tiny(tiny, tokenizer):

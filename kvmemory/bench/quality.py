@@ -14,6 +14,7 @@ rewritten from all finished cases.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import platform
 import time
@@ -34,7 +35,7 @@ from ..metrics import (
     qa_exact_match,
 )
 from ..policy import RepairPolicy
-from ..selection import ALLOCATOR_NAMES, allowance
+from ..selection import ALLOCATOR_NAMES, allowance, shared_signals
 from ..session import KVSession
 from .quality_report import write_outputs
 
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allocator answers: greedy verified against Re-prefill's answer in one forward "
                              "(same tokens, ~10x faster; answer ms then = tokens x Re-prefill's measured ms/token) "
                              "or decoded step by step (default verified)")
+    parser.add_argument("--shard", default=None, metavar="K/N",
+                        help="run only cases i with i %% N == K (0 <= K < N), appending to the same --out; "
+                             "N processes with one torch thread each use N cores")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite summary.json, report.md and plots from the cases already in --out/cases.jsonl")
 
@@ -114,58 +118,79 @@ def run_case(session: KVSession, case: EvalCase, settings: dict) -> dict:
         for a in settings["allocators"]
     ]
     runs, rows = {}, []
-    for label, policy in policies:
-        fork = session.fork()
-        report = fork.prepare(edited, policy=policy)
-        verified = settings["answers"] == "verified" and label not in REFERENCES
-        if verified:
-            gen = verified_greedy(fork, runs["reprefill"].token_ids, settings["max_new_tokens"])
-        else:
-            gen = fork.generate(max_new_tokens=settings["max_new_tokens"])
-        runs[label] = gen
-        ref, dirty = runs["reprefill"], runs.get("dirty", gen)
-        # verified answers cost one forward; latency tables charge step-by-step decoding at the
-        # case's measured Re-prefill rate so that allocators compare on repair cost
-        answer_ms = len(gen.token_ids) * _ms_per_token(ref) if verified else gen.decode_ms
-        tv = first_token_tv(ref.first_logits, gen.first_logits)
-        tv_dirty = first_token_tv(ref.first_logits, dirty.first_logits)
-        em, leak = _score(case, gen.text)
-        B = allowance(report.stale_tokens, policy.budget) if policy.operator == "refresh" else None
-        if B is not None and report.refreshed_tokens != B and not report.fallback:
-            raise RuntimeError(f"{label} refreshed {report.refreshed_tokens} positions, allowance is {B} (a bug)")
-        other = report.latency_ms - report.selection_ms - report.shift_ms - report.refresh_ms
-        rows.append({
-            "method": label,
-            "allocator": policy.allocator if policy.operator == "refresh" else None,
-            "budget": policy.budget if policy.operator == "refresh" else None,
-            "answer": gen.text,
-            "em": em,
-            "leak": leak,
-            "agree": answers_agree(gen.text, ref.text),
-            "kl": first_token_kl(ref.first_logits, gen.first_logits),
-            "tv": tv,
-            "nr_tv": normalized_recovery(tv, tv_dirty),
-            "selection_ms": report.selection_ms,
-            "shift_ms": report.shift_ms,
-            "refresh_ms": report.refresh_ms,
-            "other_ms": other,
-            "answer_ms": answer_ms,
-            "answer_mode": "verified" if verified else "stepwise",
-            "decode_ms": gen.decode_ms,
-            "post_edit_ms": report.latency_ms + answer_ms,
-            "stale_tokens": report.stale_tokens,
-            "allowance": B,
-            "refreshed_tokens": report.refreshed_tokens,
-            "recomputed_tokens": report.recomputed_tokens,
-            "intervals": report.intervals,
-            "spans": [list(s) for s in report.spans],
-            "fallback": report.fallback,
-        })
+    with shared_signals():  # each probe runs once per case; reuses are charged its measured time
+        for label, policy in policies:
+            rows.append(_run_method(session, case, settings, edited, label, policy, runs))
     reference = rows[0]
     return {"case_id": case.case_id, "task": case.task, "dataset": case.dataset, "source_id": case.source_id,
             "gold": list(case.gold), "leak_value": case.leak_value, "deleted": list(case.deleted),
             "query": case.query, "meta": dict(case.meta), "dirty_prompt_tokens": dirty_tokens,
             "edited_prompt_tokens": reference["recomputed_tokens"], "methods": rows}
+
+
+def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, label: str, policy: RepairPolicy,
+                runs: dict) -> dict:
+    """One method on a fork of the case's pre-edit session: repair, greedy answer, metrics row."""
+    fork = session.fork()
+    report = fork.prepare(edited, policy=policy)
+    verified = settings["answers"] == "verified" and label not in REFERENCES
+    if verified:  # proposals: Re-prefill's answer first, then every answer already decoded on this case
+        others = [g.token_ids for name, g in runs.items() if name != "reprefill"]
+        gen = verified_greedy(fork, runs["reprefill"].token_ids, settings["max_new_tokens"], alternatives=others)
+    else:
+        gen = fork.generate(max_new_tokens=settings["max_new_tokens"])
+    runs[label] = gen
+    ref, dirty = runs["reprefill"], runs.get("dirty", gen)
+    # verified answers cost one forward; latency tables charge step-by-step decoding at the
+    # case's measured Re-prefill rate so that allocators compare on repair cost
+    answer_ms = len(gen.token_ids) * _ms_per_token(ref) if verified else gen.decode_ms
+    tv = first_token_tv(ref.first_logits, gen.first_logits)
+    tv_dirty = first_token_tv(ref.first_logits, dirty.first_logits)
+    em, leak = _score(case, gen.text)
+    B = allowance(report.stale_tokens, policy.budget) if policy.operator == "refresh" else None
+    if B is not None and report.refreshed_tokens != B and not report.fallback:
+        raise RuntimeError(f"{label} refreshed {report.refreshed_tokens} positions, allowance is {B} (a bug)")
+    other = report.latency_ms - report.selection_ms - report.shift_ms - report.refresh_ms
+    return {
+        "method": label,
+        "allocator": policy.allocator if policy.operator == "refresh" else None,
+        "budget": policy.budget if policy.operator == "refresh" else None,
+        "answer": gen.text,
+        "em": em,
+        "leak": leak,
+        "agree": answers_agree(gen.text, ref.text),
+        "kl": first_token_kl(ref.first_logits, gen.first_logits),
+        "tv": tv,
+        "nr_tv": normalized_recovery(tv, tv_dirty),
+        "selection_ms": report.selection_ms,
+        "shift_ms": report.shift_ms,
+        "refresh_ms": report.refresh_ms,
+        "other_ms": other,
+        "answer_ms": answer_ms,
+        "answer_mode": "verified" if verified else "stepwise",
+        "decode_ms": gen.decode_ms,
+        "post_edit_ms": report.latency_ms + answer_ms,
+        "stale_tokens": report.stale_tokens,
+        "allowance": B,
+        "refreshed_tokens": report.refreshed_tokens,
+        "recomputed_tokens": report.recomputed_tokens,
+        "intervals": report.intervals,
+        "spans": [list(s) for s in report.spans],
+        "fallback": report.fallback,
+    }
+
+
+def _parse_shard(text: str | None) -> tuple[int, int]:
+    """``"K/N"`` -> (K, N); None -> (0, 1). Raises SystemExit naming the fix on bad input."""
+    if not text:
+        return 0, 1
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"--shard must look like K/N, e.g. 0/2 (got {text!r})") from None
+    if n < 1 or not 0 <= k < n:
+        raise SystemExit(f"--shard K/N needs 0 <= K < N (got {text!r})")
+    return k, n
 
 
 def _ms_per_token(reference) -> float:
@@ -203,6 +228,7 @@ def run(args, console) -> int:
     from ..models import load_model
 
     settings = _settings(args)
+    shard, shards = _parse_shard(args.shard)
     data_dir = args.data or default_data_dir()
     if data_dir is None or not Path(data_dir).is_dir():
         console.print("[red]no data folder: pass --data pointing at the shared data (hotpotqa/, niah_haystack/, ...)")
@@ -218,7 +244,7 @@ def run(args, console) -> int:
     loaded = load_model(args.model, dtype=args.dtype)
     cases = build_cases(settings, Path(data_dir), loaded.tokenizer)
     done = _done_ids(jsonl)
-    todo = [c for c in cases if c.case_id not in done]
+    todo = [c for i, c in enumerate(cases) if c.case_id not in done and i % shards == shard]
     meta = {
         "model": loaded.name, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(), "data": str(data_dir), **settings,
@@ -233,8 +259,12 @@ def run(args, console) -> int:
             t0 = time.perf_counter()
             record = run_case(session, case, settings)
             record["case_seconds"] = time.perf_counter() - t0
-            sink.write(json.dumps(record) + "\n")
-            sink.flush()
+            fcntl.flock(sink, fcntl.LOCK_EX)  # shards append whole lines to one file
+            try:
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+            finally:
+                fcntl.flock(sink, fcntl.LOCK_UN)
     records = [r for r in load_records(jsonl) if r["case_id"] in {c.case_id for c in cases}]
     summary = write_outputs(out, records, meta)
     console.print(f"wrote {out / 'summary.json'}, {out / 'report.md'} and plots ({summary['meta']['n_cases']} cases)")

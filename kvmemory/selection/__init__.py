@@ -11,7 +11,7 @@ from .budget import allowance
 from .inputs import MessageSpan, SelectionInput, validate_input
 from .intervals import to_intervals
 from .regions import Region, content_regions
-from .signals import RepairSignals, top_b
+from .signals import RepairSignals, shared_signals, top_b
 from .relevance import relevance_scores
 from .unit_allocator import allocate_units, best_envelope_window, forward_envelope, unit_score
 from .units import Unit, UnitPartitionError, build_units
@@ -22,6 +22,7 @@ __all__ = [
     "ALLOCATORS",
     "PRIVILEGED",
     "RepairSignals",
+    "shared_signals",
     "SIGNAL_ALLOCATORS",
     "top_b",
     "MessageSpan",
