@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="2,5,10,20,40,80", help="suffix budgets b in %% (comma list)")
     parser.add_argument("--allocators", default=None,
                         help=f"comma list or 'all' (NIAH default: all 14; QA default: {','.join(QA_ALLOCATORS)})")
-    parser.add_argument("--cases", type=int, default=None, help="NIAH: cases per length; QA: sources per dataset")
+    parser.add_argument("--cases", type=int, default=None, help="NIAH: cases per length (default 5, one per variant); QA: sources per dataset (default 5)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="NIAH prompt lengths in tokens")
     parser.add_argument("--datasets", default=",".join(QA_DATASETS), help="QA datasets (comma list)")
     parser.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
@@ -85,7 +85,8 @@ def _settings(args) -> dict:
         raise SystemExit(f"unknown allocator(s) {', '.join(unknown)}: use {', '.join(ALLOCATOR_NAMES)} or 'all'")
     lengths = [int(x) for x in (args.lengths if not quick or args.lengths != "1024,2048,4096" else "1024").split(",")]
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    cases = args.cases if args.cases is not None else (2 if quick else 8 if args.task == "niah" else 5)
+    # NIAH: 5 = one case of each variant (first early, second late, second early, first late, control)
+    cases = args.cases if args.cases is not None else (2 if quick else 5)
     if quick and args.task == "qa" and args.datasets == ",".join(QA_DATASETS):
         datasets = ["hotpotqa", "musique"]
     return {"task": args.task, "budgets": budgets, "allocators": allocators, "lengths": lengths,

@@ -180,7 +180,7 @@ def _fit(spec, sentences, counts, tokenizer, length: int, key: str) -> tuple[lis
     return best
 
 
-def niah_cases(data_dir: Path, tokenizer, lengths=(1024, 2048, 4096), per_length: int = 8, seed: int = 0) -> list[EvalCase]:
+def niah_cases(data_dir: Path, tokenizer, lengths=(1024, 2048, 4096), per_length: int = 5, seed: int = 0) -> list[EvalCase]:
     """Erasing-NIAH cases, ``per_length`` for each context length (paper §4.2, Appendix 7.5).
 
     Args:
