@@ -7,14 +7,14 @@ reused for every allocator and budget. Per case and method it records the answer
 with Re-prefill's greedy answer, first-token KL(p_reprefill ‖ p_method), TV, NR_TV (eq. 14), the
 leak of the deleted needle's value, the latency split (selection, Shift, refresh, answer) and
 the recomputed positions and intervals. Cases are appended to ``cases.jsonl`` as they finish, so
-an interrupted run resumes where it stopped; ``summary.json``, ``report.md`` and PNG plots are
-rewritten from all finished cases.
+an interrupted run resumes where it stopped, and several processes on one ``--out`` split the
+remaining cases (``worklist``: claims plus locked appends); ``summary.json``, ``report.md`` and
+PNG plots are rewritten from all finished cases.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import platform
 import time
@@ -38,6 +38,7 @@ from ..policy import RepairPolicy
 from ..selection import ALLOCATOR_NAMES, allowance, shared_signals
 from ..session import KVSession
 from .quality_report import write_outputs
+from .worklist import append_record, claim, done_ids, release
 
 REFERENCES = ("reprefill", "dirty", "shift", "replay")
 QA_ALLOCATORS = ("sur", "bm25", "cacheblend", "infoflow", "prophetkv")  # the paper's QA comparison (§4.3)
@@ -64,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(same tokens, ~10x faster; answer ms then = tokens x Re-prefill's measured ms/token) "
                              "or decoded step by step (default verified)")
     parser.add_argument("--shard", default=None, metavar="K/N",
-                        help="run only cases i with i %% N == K (0 <= K < N), appending to the same --out; "
-                             "N processes with one torch thread each use N cores")
+                        help="run only cases i with i %% N == K (0 <= K < N), a fixed split (e.g. across machines); "
+                             "processes on one --out share the remaining cases anyway")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite summary.json, report.md and plots from the cases already in --out/cases.jsonl")
 
@@ -199,18 +200,6 @@ def _ms_per_token(reference) -> float:
     return reference.decode_ms / max(1, len(reference.token_ids))
 
 
-def _done_ids(path: Path) -> set[str]:
-    """Case ids already in the JSONL (a torn last line from a crash is ignored)."""
-    done = set()
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                done.add(json.loads(line)["case_id"])
-            except (json.JSONDecodeError, KeyError):
-                continue
-    return done
-
-
 def load_records(path: Path) -> list[dict]:
     """Every complete case record of ``path``."""
     out = []
@@ -244,7 +233,7 @@ def run(args, console) -> int:
         return 0
     loaded = load_model(args.model, dtype=args.dtype)
     cases = build_cases(settings, Path(data_dir), loaded.tokenizer)
-    done = _done_ids(jsonl)
+    done = done_ids(jsonl)
     todo = [c for i, c in enumerate(cases) if c.case_id not in done and i % shards == shard]
     meta = {
         "model": loaded.name, "dtype": args.dtype, "torch_threads": torch.get_num_threads(),
@@ -255,17 +244,18 @@ def run(args, console) -> int:
     (out / "config.json").write_text(json.dumps(meta, indent=2))
     console.print(f"quality/{settings['task']}: {len(cases)} cases ({len(done)} already done) -> {out}")
     session = KVSession(loaded.model, loaded.tokenizer)
-    with jsonl.open("a") as sink:
-        for case in tqdm(todo, desc=f"quality {settings['task']}", unit="case"):
+    claims = out / ".claims"
+    for case in tqdm(todo, desc=f"quality {settings['task']}", unit="case"):
+        # another process on the same --out may have finished or be running this case
+        if case.case_id in done_ids(jsonl) or not claim(claims, case.case_id):
+            continue
+        try:
             t0 = time.perf_counter()
             record = run_case(session, case, settings)
             record["case_seconds"] = time.perf_counter() - t0
-            fcntl.flock(sink, fcntl.LOCK_EX)  # shards append whole lines to one file
-            try:
-                sink.write(json.dumps(record) + "\n")
-                sink.flush()
-            finally:
-                fcntl.flock(sink, fcntl.LOCK_UN)
+            append_record(jsonl, record)
+        finally:
+            release(claims, case.case_id)
     records = [r for r in load_records(jsonl) if r["case_id"] in {c.case_id for c in cases}]
     summary = write_outputs(out, records, meta)
     console.print(f"wrote {out / 'summary.json'}, {out / 'report.md'} and plots ({summary['meta']['n_cases']} cases)")
