@@ -32,6 +32,9 @@ def test_shards_fill_one_resumable_run(tmp_path):
     assert sorted(records) == ["niah-512-000", "niah-512-001"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["meta"]["n_cases"] == 2
+    assert set(summary["by_group"]["niah-512"]["sur@5"]) >= {"agreement", "median_kl", "nr_tv", "latency_ms", "em"}
+    report = (out / "report.md").read_text()
+    assert "## Agreement with Re-prefill by group" in report and "## Median first-token KL by group" in report
     for record in records.values():
         methods = {m["method"]: m for m in record["methods"]}
         assert methods["reprefill"]["kl"] == 0.0

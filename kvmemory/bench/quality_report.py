@@ -14,6 +14,9 @@ REFERENCE_NAMES = ("dirty", "shift", "replay", "reprefill")
 BOOTSTRAP_REFERENCES = ("shift", "replay", "reprefill")
 
 
+GROUP_METRICS = ("em", "gold_in_answer", "agreement", "median_kl", "nr_tv", "latency_ms")
+
+
 def _rows(records: list[dict], method: str) -> list[dict]:
     return [m for r in records for m in r["methods"] if m["method"] == method]
 
@@ -97,7 +100,7 @@ def summarize(records: list[dict], meta: dict) -> dict:
         by_group[dataset] = {}
         for m in _methods(subset):
             agg = aggregate(_rows(subset, m))
-            by_group[dataset][m] = {k: agg[k] for k in ("em", "gold_in_answer", "agreement", "median_kl")} | {"n": len(subset)}
+            by_group[dataset][m] = {k: agg[k] for k in GROUP_METRICS} | {"n": len(subset)}
     summary["by_group"] = by_group
     summary["bootstrap"] = {"replicates": REPLICATES, "seed": SEED, "rows": bootstrap_table(records)}
     summary["meta"] = {**meta, "n_cases": len(records), "n_sources": len({r["source_id"] for r in records}),
@@ -159,14 +162,20 @@ def markdown(summary: dict) -> str:
                      f"{a['delta_pp']:+.1f} | [{a['ci_low']:+.1f}, {a['ci_high']:+.1f}] | "
                      f"{g['delta_pp']:+.1f} | [{g['ci_low']:+.1f}, {g['ci_high']:+.1f}] | "
                      f"{t['delta_pp']:+.2f} | [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}] |")
-    lines += ["", "## EM by group", ""]
-    groups = summary["by_group"]
-    methods = list(next(iter(groups.values())).keys()) if groups else []
-    lines += ["| method | " + " | ".join(f"{g} (n={v[methods[0]]['n']})" for g, v in groups.items()) + " |",
-              "|---|" + "---|" * len(groups)]
-    for m in methods:
-        lines.append(f"| {m} | " + " | ".join(_fmt(groups[g].get(m, {}).get("em")) for g in groups) + " |")
+    for metric, title, spec in (("em", "EM", ".2f"), ("agreement", "Agreement with Re-prefill", ".2f"),
+                                ("median_kl", "Median first-token KL", ".2e"), ("latency_ms", "Mean latency ms", ".0f")):
+        lines += ["", f"## {title} by group", ""] + _group_table(summary["by_group"], metric, spec)
     return "\n".join(lines) + "\n"
+
+
+def _group_table(groups: dict, metric: str, spec: str) -> list[str]:
+    """One markdown table: methods × groups (e.g. NIAH lengths, QA datasets) of ``metric``."""
+    methods = list(next(iter(groups.values())).keys()) if groups else []
+    lines = ["| method | " + " | ".join(f"{g} (n={v[methods[0]]['n']})" for g, v in groups.items()) + " |",
+             "|---|" + "---|" * len(groups)]
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(_fmt(groups[g].get(m, {}).get(metric), spec) for g in groups) + " |")
+    return lines
 
 
 def plots(summary: dict, out: Path) -> list[Path]:
