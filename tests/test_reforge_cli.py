@@ -3,12 +3,16 @@ outside the test suite; its results live in benchmarks/results/)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvmemory.bench import BENCHMARKS
 from kvmemory.cli import build_parser, main
 from kvmemory.demo_cases import default_data_dir
 from kvmemory.reforge.profile import ReforgeProfile
+
+ROOT_PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "reforge_profiles" / "calib16_gaps1-4-16.json"
 
 
 def test_commands_are_registered():
@@ -48,3 +52,27 @@ def test_calibrate_quick_freezes_a_profile(tmp_path, capsys):
     labelled = [i for i, s in enumerate(profile.sensitivity) if s > 0]
     assert all(15 <= i < 30 for i in labelled)  # only affected layers can be labelled
     assert "wrote" in capsys.readouterr().out
+
+
+def test_scaled_profile_moves_every_trigger_distance():
+    profile = ReforgeProfile.load(ROOT_PROFILE)
+    half = profile.scaled(0.5)
+    assert half.sensitivity == [0.5 * s for s in profile.sensitivity]
+    assert all((d is None and e is None) or abs(e - 2 * d) < 1e-12 for d, e in zip(profile.delta, half.delta))
+    assert half.key == profile.key and profile.scaled(1.0).sensitivity == profile.sensitivity
+    with pytest.raises(ValueError, match="positive"):
+        profile.scaled(0)
+
+
+def test_risk_scales_option_and_sweep_table():
+    from kvmemory.bench.reforge import _risk_scales, _sweep_lines
+
+    assert _risk_scales("0.5, 2") == [0.5, 2.0] and _risk_scales("") == []
+    for bad in ("x", "0,1", "-1"):
+        with pytest.raises(SystemExit, match="risk-scales"):
+            _risk_scales(bad)
+    row = {"alpha": 0.5, "recompute_pct": 3.3, "kl": 0.09, "kl_reduction_vs_stale_pct": 90.0, "top1": 80.0,
+           "maintenance_vs_fresh_pct": 5.0}
+    lines = _sweep_lines([row, {**row, "alpha": 1.0}])
+    assert any(line.startswith("| 0.5 | 3.30 | 0.0900 | 90.0 |") for line in lines)
+    assert _sweep_lines([]) == []

@@ -30,6 +30,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--samples", type=int, default=None, help="held-out prompts (default 2; quick 1)")
     parser.add_argument("--score-every", type=int, default=None, help="task score every k versions (default 16; quick 2)")
     parser.add_argument("--profile", type=Path, default=None, help="use this calibration profile instead of calibrating")
+    parser.add_argument("--risk-scales", default="",
+                        help="also run CacheReforge with sensitivities × alpha for each alpha (comma list, e.g. "
+                             "0.5,0.7,1.4,2): the recomputed-layers vs KL frontier of the same calibration")
     add_workload_arguments(parser)
 
 
@@ -72,23 +75,25 @@ def evaluate(w, args, profile, updates: int, n_samples: int, score_every: int) -
     train = qa_samples(w.data_dir, "train", 40, passages=0, seed=EVAL_SEED)
     with tqdm(total=updates, desc="evaluation updates") as bar:
         versions = update_trajectory(w.model, w.tokenizer, train, updates, args.magnitude, EVAL_SEED, bar)
+    scales = _risk_scales(args.risk_scales)
+    names = METHODS + tuple(_scaled_name(a) for a in scales)
     per_method = {m: {"kl": [], "top1": [], "score": [], "recompute": [], "maint": [], "request": [], "actions": []}
-                  for m in METHODS}
+                  for m in names}
     certs = {"checked": 0, "kl_bound_holds": 0, "top1_certified": 0, "top1_certificate_holds": 0}
     prompt_tokens = []
     with tqdm(total=len(held_out) * updates, desc="held-out versions") as bar:
         for sample in held_out:
-            sessions = _start_sessions(w, profile, sample, versions[0], load_snapshot)
+            sessions = _start_sessions(w, profile, sample, versions[0], load_snapshot, scales)
             prompt_tokens.append(len(sessions["stale"].token_ids))
             traj = {m: {"kl": [], "top1": [], "score": [], "recompute": [], "maint": 0.0, "request": 0.0, "actions": []}
-                    for m in METHODS}
+                    for m in names}
             for t in range(1, updates + 1):
                 load_snapshot(w.model, versions[t])
                 scored = t % score_every == 0 or t == updates
                 _step(w, sessions, sample, traj, scored)
                 bar.update(1)
             _certify(sessions["stale"], certs, certificates, hybrid_executions)
-            for m in METHODS:
+            for m in names:
                 agg = per_method[m]
                 for k in ("kl", "top1", "score", "recompute"):
                     agg[k].append(statistics.fmean(traj[m][k]) if traj[m][k] else 0.0)
@@ -100,7 +105,22 @@ def evaluate(w, args, profile, updates: int, n_samples: int, score_every: int) -
                     score_every)
 
 
-def _start_sessions(w, profile, sample, v0, load_snapshot) -> dict:
+def _risk_scales(text: str) -> list[float]:
+    """``--risk-scales`` "0.5,2" -> [0.5, 2.0]. Raises SystemExit naming the fix on bad input."""
+    try:
+        scales = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--risk-scales must be a comma list of positive numbers (got {text!r})") from None
+    if any(not a > 0 for a in scales):
+        raise SystemExit(f"--risk-scales must be positive (got {text!r})")
+    return scales
+
+
+def _scaled_name(alpha: float) -> str:
+    return f"cachereforge_x{alpha:g}"
+
+
+def _start_sessions(w, profile, sample, v0, load_snapshot, scales=()) -> dict:
     from ..reforge.state import ReforgeConfig
     from ..session import KVSession
 
@@ -112,6 +132,10 @@ def _start_sessions(w, profile, sample, v0, load_snapshot) -> dict:
         s = base.fork()
         s.reforge.config = ReforgeConfig(policy=m, profile=profile)
         sessions[m] = s
+    for alpha in scales:
+        s = base.fork()
+        s.reforge.config = ReforgeConfig(policy="cachereforge", profile=profile.scaled(alpha))
+        sessions[_scaled_name(alpha)] = s
     return sessions
 
 
@@ -176,7 +200,13 @@ def _summary(w, args, profile, per_method, certs, horizon, updates, held_out, pr
             "actions_per_trajectory": {a: statistics.fmean(x[a] for x in agg["actions"]) for a in ("reuse", "bounded", "full_suffix")}
             if m != "fresh" else None,
         }
+    sweep = [{"alpha": float(m.removeprefix("cachereforge_x")), **methods.pop(m)} for m in list(methods)
+             if m.startswith("cachereforge_x")]
     stale, cr, fresh = methods["stale"], methods["cachereforge"], methods["fresh"]
+    sweep = sorted(sweep + [{"alpha": 1.0, **cr}], key=lambda row: row["recompute_pct"])
+    for row in sweep:
+        row["kl_reduction_vs_stale_pct"] = 100.0 * (1 - row["kl"] / stale["kl"]) if stale["kl"] > 0 else None
+        row["maintenance_vs_fresh_pct"] = 100.0 * row["maintenance_s"] / fresh["maintenance_s"]
     targets = {
         "kl_reduction_vs_stale_pct": 100.0 * (1 - cr["kl"] / stale["kl"]) if stale["kl"] > 0 else None,
         "recompute_pct": cr["recompute_pct"],
@@ -202,6 +232,7 @@ def _summary(w, args, profile, per_method, certs, horizon, updates, held_out, pr
         "quick": bool(args.quick),
         "methods": methods,
         "targets": targets,
+        "risk_scale_sweep": sweep if len(sweep) > 1 else [],
         "certificates": certs,
         "horizons": horizon,
         "profile": {"sensitivity": profile.sensitivity, "drift_threshold": profile.drift_threshold,
@@ -247,6 +278,7 @@ def markdown(r: dict) -> str:
         f"KL reduction {red}, recomputed {t['recompute_pct']:.2f} %, maintenance {t['maintenance_vs_fresh_pct']:.1f} % "
         f"of fresh → {'met' if t['met'] else 'NOT met'}.",
         "",
+        *_sweep_lines(r.get("risk_scale_sweep", [])),
         f"Certificates on the stale caches at the last version: {r['certificates']}.",
         "",
         "Recomputation horizons of the calibration conditions (direct / bounded / full):",
@@ -259,6 +291,20 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sweep_lines(sweep: list[dict]) -> list[str]:
+    """Markdown for the risk-scale frontier (empty without ``--risk-scales``)."""
+    if not sweep:
+        return []
+    lines = ["CacheReforge frontier of the same calibration (sensitivities × α; α = 1 is the method itself):", "",
+             "| α | recomputed layers (%) | KL | KL reduction vs stale (%) | top-1 (%) | maintenance (% of fresh) |",
+             "|---|---|---|---|---|---|"]
+    for row in sweep:
+        red = "n/a" if row["kl_reduction_vs_stale_pct"] is None else f"{row['kl_reduction_vs_stale_pct']:.1f}"
+        lines.append(f"| {row['alpha']:g} | {row['recompute_pct']:.2f} | {row['kl']:.4f} | {red} | {row['top1']:.2f} | "
+                     f"{row['maintenance_vs_fresh_pct']:.1f} |")
+    return lines + [""]
+
+
 def _plot(r: dict, path: Path) -> None:
     import matplotlib
 
@@ -269,6 +315,10 @@ def _plot(r: dict, path: Path) -> None:
     for m, v in r["methods"].items():
         axes[0].scatter(v["recompute_pct"], v["kl"], label=m)
         axes[1].bar(m, v["maintenance_s"])
+    sweep = r.get("risk_scale_sweep", [])
+    if sweep:
+        axes[0].plot([row["recompute_pct"] for row in sweep], [row["kl"] for row in sweep], "k--", lw=1,
+                     label="cachereforge × α")
     axes[0].set_xlabel("recomputed layers (%)")
     axes[0].set_ylabel("first-token KL to fresh")
     axes[0].set_yscale("symlog", linthresh=1e-4)

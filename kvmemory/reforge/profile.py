@@ -51,6 +51,21 @@ class ReforgeProfile(BaseModel):
     tail_quantile: float = 0.05
     conditions: list[ConditionResult] = Field(default_factory=list)
 
+    def scaled(self, alpha: float) -> "ReforgeProfile":
+        """A copy whose sensitivities are ``alpha`` × s_ℓ (δ_ℓ / alpha): the runtime risk q_ℓ = s_ℓ·d_ℓ
+        reaches 1 at ``1/alpha`` of the calibrated distance. Used to trace the recompute-vs-KL
+        frontier of one calibration (``kvmemory bench reforge --risk-scales``).
+
+        Raises:
+            ValueError: ``alpha`` not positive.
+        """
+        if not alpha > 0:
+            raise ValueError(f"risk scale must be positive (got {alpha})")
+        return self.model_copy(update={
+            "sensitivity": [alpha * s for s in self.sensitivity],
+            "delta": [None if d is None else d / alpha for d in self.delta],
+        })
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
