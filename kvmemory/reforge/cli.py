@@ -39,6 +39,16 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-answer-tokens", type=int, default=0,
                         help="greedy answer length for the calibration task-score criterion (default 0: KL and "
                         "top-1 only, since each window then costs a decode)")
+    parser.add_argument("--from-profile", type=Path, default=None,
+                        help="start from this label-calibrated profile instead of running the window calibration")
+    parser.add_argument("--fit-budget", type=float, default=None,
+                        help="fit one δ per window group on calibration trajectories for this recomputed-layer "
+                        "budget (%% of layers per update; kvmemory.reforge.trajectory); default: the paper's "
+                        "labelled δ")
+    parser.add_argument("--fit-seeds", type=_ints, default=(53, 61),
+                        help="calibration trajectory seeds for --fit-budget (default 53,61, the paper's)")
+    parser.add_argument("--fit-prompts", type=int, default=8,
+                        help="calibration prompts per fit trajectory (default 8, the paper's samples per task)")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -82,6 +92,14 @@ def check_workload_args(args) -> str | None:
     args.data = Path(data)
     if args.rank < 1 or args.magnitude <= 0:
         return "--rank must be >= 1 and --magnitude > 0"
+    budget = getattr(args, "fit_budget", None)
+    if budget is not None and not 0 < budget <= 100:
+        return f"--fit-budget must be in (0, 100] % of layers (got {budget})"
+    if getattr(args, "fit_prompts", 1) < 1:
+        return "--fit-prompts must be at least 1"
+    source = getattr(args, "from_profile", None)
+    if source is not None and not Path(source).is_file():
+        return f"--from-profile {source}: no such file (run `kvmemory calibrate --out FILE` first)"
     return None
 
 
@@ -103,15 +121,27 @@ def context_regime(passages: int) -> str:
 
 
 def run_calibration(w: Workload, args, console, *, samples: int, updates: int, starts, gaps):
-    """Calibration trajectory (seed 53) + conditions → a frozen ReforgeProfile."""
-    from ..session import KVSession
-    from .calibration import calibrate
-    from .profile import ProfileKey
-    from .state import ReforgeConfig
-    from .workload import load_snapshot, qa_samples, update_trajectory
+    """Calibration trajectory (seed 53) + conditions → a frozen ReforgeProfile (or the profile of
+    ``--from-profile``); with ``--fit-budget`` its δ are then fitted on calibration trajectories."""
+    from .profile import ProfileKey, ReforgeProfile
 
     key = ProfileKey(model=w.lm.name, update_target=w.update_target, adapter_config=w.adapter_config,
                      context_regime=context_regime(w.passages))
+    if getattr(args, "from_profile", None):
+        profile = ReforgeProfile.load(args.from_profile, expect=key)
+    else:
+        profile = _label_calibration(w, args, key, samples=samples, updates=updates, starts=starts, gaps=gaps)
+    if getattr(args, "fit_budget", None):
+        profile = fit_profile(w, args, console, profile, updates)
+    return profile
+
+
+def _label_calibration(w: Workload, args, key, *, samples: int, updates: int, starts, gaps):
+    from ..session import KVSession
+    from .calibration import calibrate
+    from .state import ReforgeConfig
+    from .workload import load_snapshot, qa_samples, update_trajectory
+
     calib = qa_samples(w.data_dir, "calibration", samples, passages=w.passages, seed=CALIBRATION_SEED)
     train = qa_samples(w.data_dir, "train", 40, passages=0, seed=CALIBRATION_SEED)
     with tqdm(total=updates, desc="calibration updates") as bar:
@@ -124,6 +154,42 @@ def run_calibration(w: Workload, args, console, *, samples: int, updates: int, s
             make_session=lambda: KVSession(w.model, w.tokenizer, "replay", reforge=ReforgeConfig()),
         )
     return profile
+
+
+def fit_profile(w: Workload, args, console, profile, updates: int):
+    """Fit ``profile``'s δ per window group for ``args.fit_budget`` on one calibration trajectory
+    per ``args.fit_seeds`` seed (``args.fit_prompts`` calibration prompts each)."""
+    from ..session import KVSession
+    from .trajectory import PolicyReplay, build_bank, fit_to_budget
+    from .workload import load_snapshot, qa_samples, update_trajectory
+
+    banks = []
+    for seed in args.fit_seeds:
+        prompts = qa_samples(w.data_dir, "calibration", args.fit_prompts, passages=w.passages, seed=seed)
+        train = qa_samples(w.data_dir, "train", 40, passages=0, seed=seed)
+        versions = update_trajectory(w.model, w.tokenizer, train, updates, args.magnitude, seed)
+        ids = []
+        for sample in prompts:
+            session = KVSession(w.model, w.tokenizer, "replay")
+            session.prepare(list(sample.messages))
+            ids.append(list(session.token_ids))
+        with tqdm(total=len(ids) * (updates + 1), desc=f"fit trajectory bank (seed {seed})") as bar:
+            banks.append(build_bank(w.model, ids, versions, load_snapshot, bar))
+    replay = PolicyReplay(w.model, banks, load_snapshot)
+    with tqdm(desc="fitting δ per window group", unit="round") as bar:
+        fitted, fit = fit_to_budget(replay, profile, args.fit_budget, progress=bar)
+    fitted.fit = {
+        "budget_pct": args.fit_budget, "seeds": list(args.fit_seeds), "prompts_per_seed": args.fit_prompts,
+        "updates": updates, "groups": [list(g) for g in fit.groups], "group_delta": fit.group_delta,
+        "calibration_kl": fit.kl, "calibration_recompute_pct": fit.recompute_pct, "stale_kl": fit.stale_kl,
+        "calibration_kl_reduction_pct": fit.kl_reduction_pct, "start_delta": fit.start_delta,
+        "start_kl": fit.start_kl, "start_recompute_pct": fit.start_recompute_pct,
+        "evaluated_profiles": fit.evaluated, "batched_forwards": fit.forwards,
+    }
+    console.print(f"fitted δ per window group {[round(d, 3) for d in fit.group_delta]}: calibration KL "
+                  f"{fit.kl:.4f} ({fit.kl_reduction_pct:.1f} % below stale) at {fit.recompute_pct:.2f} % layers "
+                  f"(labelled δ: KL {fit.start_kl:.4f} at {fit.start_recompute_pct:.2f} %)")
+    return fitted
 
 
 def calibration_plan(quick: bool, args=None) -> dict:

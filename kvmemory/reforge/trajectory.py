@@ -1,0 +1,345 @@
+"""Trajectory fit of CacheReforge sensitivities for a recompute budget.
+
+The paper's calibration (eqs. 6-7) labels layers by the first safe window of each condition and
+sets δ_ℓ from the 5 % lower tail of the labelling distances. Layers that one window covers get
+the same δ, so on our model the restart layer, which holds most of the stale KL, is refreshed as
+rarely as the three layers after it (issue 5). This module fits δ_ℓ for an operating point
+instead, on the same calibration split:
+
+1. A :class:`TrajectoryBank` holds, for every calibration prompt and every adapter version of a
+   calibration trajectory, the fresh K/V of the affected layers and the fresh first-token logits.
+2. Because a range ``[r, b)`` recomputed at version t equals the fresh K/V of version t, a
+   cache maintained by eq. 9 is fully described by the version each affected layer was last
+   refreshed at. :class:`PolicyReplay` replays the runtime rule (``runtime.decide``) for many
+   candidate profiles at once and measures each visited state's first-token KL exactly (one
+   batched forward of the last prompt token per version), memoised across candidates.
+3. :func:`fit_to_budget` searches one δ per window group (the layers the paper's candidate
+   windows ``{1, 2, 4, 8, 16, full}`` add) by Lagrangian coordinate descent, and keeps the
+   evaluated profile with the lowest calibration KL whose mean recomputed-layer % stays within
+   the budget. The runtime rule (q_ℓ = s_ℓ·d_ℓ ≥ 1, b_t = 1 + max triggered layer) is unchanged.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import kvcache
+from ..execution import forward_rows
+from ..metrics import first_token_kl
+from .calibration import WINDOWS
+from .profile import ReforgeProfile
+from .restart import restart_layers
+from .runtime import decide
+from .versions import capture_adapter, lora_modules
+
+LAMBDAS = (0.005, 0.01, 0.02, 0.04)  # KL-fraction per recomputed-layer % (Lagrangian weights)
+FACTORS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)  # multiplicative moves of one group's δ
+
+
+@dataclass
+class PromptVersions:
+    """One calibration prompt: ``token_ids`` ``[n]``; ``base`` K/V of layers below the restart
+    (adapter-independent), each ``[1, kv_heads, n-1, head_dim]``; ``kv[v][ℓ - r]`` the fresh K/V
+    of affected layer ℓ at version v; ``fresh[v]`` fresh first-token logits ``[vocab]`` (fp32)."""
+
+    token_ids: torch.Tensor
+    base: list[tuple[torch.Tensor, torch.Tensor]]
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    fresh: list[torch.Tensor]
+
+
+@dataclass
+class TrajectoryBank:
+    """A calibration trajectory v_0..v_T: ``snapshots`` (adapter parameters per version),
+    ``distances[t, a]`` = ‖θ_t − θ_a‖₂ (eq. 8, parameter units), the restart layer r, the cache
+    layers the updates invalidate, and the per-prompt fresh states."""
+
+    snapshots: list[dict]
+    distances: torch.Tensor
+    restart: int
+    invalid: list[int]
+    num_layers: int
+    prompts: list[PromptVersions] = field(default_factory=list)
+
+    @property
+    def updates(self) -> int:
+        return len(self.snapshots) - 1
+
+
+def build_bank(model, prompts: list[list[int]], snapshots: list[dict], load_version, progress=None) -> TrajectoryBank:
+    """Prefill every prompt at every version (T+1 prefills per prompt).
+
+    Args:
+        prompts: token ids per prompt (at least 2 tokens each).
+        snapshots: adapter versions v_0..v_T (``workload.update_trajectory``).
+        load_version: ``f(model, snapshot)`` that activates a version.
+        progress: a tqdm bar advanced once per prefill.
+
+    Memory: (T+1)·(N−r) layers of K/V per prompt (fp32: ~5.5 MB per version for a 240-token
+    SmolLM2 prompt and 15 affected layers).
+
+    Raises:
+        ValueError: fewer than 2 versions, no LoRA on ``model``, updates that invalidate no cache
+            layer, or a prompt shorter than 2 tokens.
+    """
+    if len(snapshots) < 2:
+        raise ValueError("a trajectory needs at least one update (2 versions)")
+    num_layers = model.config.get_text_config().num_hidden_layers
+    states = []
+    for snap in snapshots:
+        load_version(model, snap)
+        states.append(capture_adapter(model, num_layers))
+    if states[0] is None:
+        raise ValueError("the model has no LoRA adapter: attach one before calibrating CacheReforge")
+    vectors = torch.stack([s.vector for s in states])
+    distances = torch.cdist(vectors[None].double(), vectors[None].double())[0]
+    invalid = [layer for layer in range(num_layers)
+               if any(not s.same_cache_layer(states[0], layer) for s in states[1:])]
+    if not invalid:
+        raise ValueError("the trajectory's updates change no cache layer: nothing to calibrate")
+    restart = min((invalid[0], *_exec_restarts(model, num_layers)))  # eq. S4: Q/O/MLP restart below r_kv
+    bank = TrajectoryBank(list(snapshots), distances, restart, invalid, num_layers)
+    for ids in prompts:
+        if len(ids) < 2:
+            raise ValueError("calibration prompts need at least 2 tokens")
+        bank.prompts.append(_prompt_versions(model, torch.tensor(ids), snapshots, load_version, restart, progress))
+    load_version(model, snapshots[0])
+    return bank
+
+
+def _exec_restarts(model, num_layers: int) -> list[int]:
+    """Execution restart (eq. S4) of every trainable LoRA module inside the decoder stack."""
+    return [restart_layers(m.kind, m.layer, num_layers)[1] for m in lora_modules(model)
+            if m.layer is not None and m.layer < num_layers
+            and any(p.requires_grad for p in m.module.parameters())]
+
+
+def _prompt_versions(model, ids, snapshots, load_version, restart, progress) -> PromptVersions:
+    base, kv, fresh = [], [], []
+    for snap in snapshots:
+        load_version(model, snap)
+        cache = kvcache.new_cache(model.config)
+        forward_rows(model, cache, ids[:-1], 0)
+        layers = kvcache.layer_tensors(cache)
+        if not base:
+            base = [(k.clone(), v.clone()) for k, v in layers[:restart]]
+        kv.append([(k.clone(), v.clone()) for k, v in layers[restart:]])
+        fresh.append(forward_rows(model, cache, ids[-1:], ids.shape[0] - 1))
+        if progress is not None:
+            progress.update(1)
+    return PromptVersions(ids, base, kv, fresh)
+
+
+@dataclass
+class ReplayResult:
+    """Mean first-token KL to fresh and mean recomputed layers (% of N) over every (prompt,
+    update) of the banks; ``actions`` counts reuse / bounded / full_suffix decisions."""
+
+    kl: float
+    recompute_pct: float
+    actions: dict[str, int]
+
+
+class PolicyReplay:
+    """Replays eq. 9 over trajectory banks; KL per visited state is computed once.
+
+    A state is (bank, prompt, version t, versions of the affected layers). Evaluating many
+    candidate profiles together batches their new states per version into padded forwards of
+    the last prompt token (``max_batch`` rows each).
+    """
+
+    def __init__(self, model, banks: list[TrajectoryBank], load_version, max_batch: int = 48):
+        self.model, self.banks, self.load_version, self.max_batch = model, banks, load_version, max_batch
+        self._kl: dict[tuple, float] = {}
+        self.forwards = 0
+
+    def evaluate(self, profiles: list[ReforgeProfile | None]) -> list[ReplayResult]:
+        """One :class:`ReplayResult` per profile (None: stale reuse, nothing recomputed)."""
+        kls = [[] for _ in profiles]
+        recs = [[] for _ in profiles]
+        actions = [{"reuse": 0, "bounded": 0, "full_suffix": 0} for _ in profiles]
+        for b, bank in enumerate(self.banks):
+            anchors = [[[0] * len(bank.prompts[0].kv[0]) for _ in bank.prompts] for _ in profiles]
+            for t in range(1, bank.updates + 1):
+                keys = [[None] * len(bank.prompts) for _ in profiles]
+                for c, profile in enumerate(profiles):
+                    for i in range(len(bank.prompts)):
+                        layers, action = self._step(bank, t, anchors[c][i], profile)
+                        recs[c].append(100.0 * layers / bank.num_layers)
+                        actions[c][action] += 1
+                        keys[c][i] = (b, i, t, tuple(anchors[c][i]))
+                self._fill(bank, t, {k for row in keys for k in row if k not in self._kl})
+                for c in range(len(profiles)):
+                    kls[c] += [self._kl[k] for k in keys[c]]
+        return [ReplayResult(statistics.fmean(k), statistics.fmean(r), a) for k, r, a in zip(kls, recs, actions)]
+
+    @staticmethod
+    def _step(bank: TrajectoryBank, t: int, anchor: list[int], profile) -> tuple[int, str]:
+        """Apply the runtime decision at version t to ``anchor`` (in place); returns the executed
+        layers and the action."""
+        if profile is None:
+            return 0, "reuse"
+        r = bank.restart
+        distances = [0.0] * bank.num_layers
+        for j, a in enumerate(anchor):
+            distances[r + j] = float(bank.distances[t, a])
+        decision = decide("cachereforge", distances, bank.invalid, r, profile)
+        if decision.action != "reuse":
+            for layer in range(decision.start, decision.end):
+                anchor[layer - r] = t
+        return decision.layers, decision.action
+
+    def _fill(self, bank: TrajectoryBank, t: int, keys: set) -> None:
+        if not keys:
+            return
+        self.load_version(self.model, bank.snapshots[t])
+        ordered = sorted(keys)
+        for start in range(0, len(ordered), self.max_batch):
+            chunk = ordered[start:start + self.max_batch]
+            logits = self._forward(bank, chunk)
+            for key, z in zip(chunk, logits):
+                self._kl[key] = first_token_kl(bank.prompts[key[1]].fresh[t], z)
+        self.load_version(self.model, bank.snapshots[0])
+
+    def _forward(self, bank: TrajectoryBank, keys: list[tuple]) -> torch.Tensor:
+        """Logits ``[len(keys), vocab]`` of each state's last prompt token: caches padded at the
+        end to the longest prompt, pads masked out, positions given explicitly."""
+        prompts = [bank.prompts[k[1]] for k in keys]
+        lengths = [p.token_ids.shape[0] - 1 for p in prompts]
+        width = max(lengths)
+        tensors = []
+        for layer in range(bank.num_layers):
+            ks, vs = [], []
+            for p, key in zip(prompts, keys):
+                k, v = p.base[layer] if layer < bank.restart else p.kv[key[3][layer - bank.restart]][layer - bank.restart]
+                ks.append(_pad(k, width))
+                vs.append(_pad(v, width))
+            tensors.append((torch.cat(ks), torch.cat(vs)))
+        mask = torch.zeros(len(keys), width + 1, dtype=torch.long)
+        for j, n in enumerate(lengths):
+            mask[j, :n] = 1
+        mask[:, -1] = 1
+        ids = torch.stack([p.token_ids[-1:] for p in prompts])
+        positions = torch.tensor(lengths)[:, None]
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             cache=kvcache.from_tensors(tensors), use_cache=True, logits_to_keep=1)
+        self.forwards += 1
+        return out.logits[:, -1].float()
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[1, h, n, d]`` → ``[1, h, width, d]`` with zero rows at the end."""
+    if x.shape[2] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[2]))
+
+
+def window_groups(restart: int, num_layers: int, windows=WINDOWS) -> list[tuple[int, ...]]:
+    """Layers each candidate window adds (paper's H_i): [r, r+1), [r+1, r+2), [r+2, r+4), …, up to N."""
+    ends = sorted({min(restart + h, num_layers) for h in windows if h > 0} | {num_layers})
+    groups, lo = [], restart
+    for end in ends:
+        if end > lo:
+            groups.append(tuple(range(lo, end)))
+            lo = end
+    return groups
+
+
+@dataclass
+class FitResult:
+    """The chosen group δs (parameter units) with their calibration KL / recompute %, the stale
+    KL of the same banks, the label-calibrated starting point, and how much was evaluated."""
+
+    groups: list[tuple[int, ...]]
+    group_delta: list[float]
+    kl: float
+    recompute_pct: float
+    stale_kl: float
+    start_delta: list[float]
+    start_kl: float
+    start_recompute_pct: float
+    evaluated: int
+    forwards: int
+
+    @property
+    def kl_reduction_pct(self) -> float:
+        return 100.0 * (1.0 - self.kl / self.stale_kl) if self.stale_kl > 0 else 0.0
+
+
+def profile_with_groups(base: ReforgeProfile, groups, group_delta: list[float]) -> ReforgeProfile:
+    """``base`` with δ_ℓ = the δ of ℓ's group and s_ℓ = 1/δ_ℓ (layers outside every group keep theirs)."""
+    delta, sensitivity = list(base.delta), list(base.sensitivity)
+    for group, d in zip(groups, group_delta):
+        for layer in group:
+            delta[layer], sensitivity[layer] = d, 1.0 / d
+    return base.model_copy(update={"delta": delta, "sensitivity": sensitivity})
+
+
+def start_deltas(profile: ReforgeProfile, groups) -> list[float]:
+    """Each group's smallest label-calibrated δ (unlabelled groups: twice the largest δ)."""
+    known = [d for d in profile.delta if d is not None]
+    if not known:
+        raise ValueError("the profile labelled no layer: calibrate with longer gaps first")
+    out = []
+    for group in groups:
+        ds = [profile.delta[layer] for layer in group if profile.delta[layer] is not None]
+        out.append(min(ds) if ds else 2.0 * max(known))
+    return out
+
+
+def fit_to_budget(replay: PolicyReplay, start: ReforgeProfile, budget_pct: float, *, lambdas=LAMBDAS,
+                  factors=FACTORS, max_steps: int = 8, progress=None) -> tuple[ReforgeProfile, FitResult]:
+    """Fit one δ per window group on the replay's banks for ``budget_pct`` (% of the N layers
+    recomputed per update, averaged like the benchmark's recomputed-layer %).
+
+    For each λ in ``lambdas``: best-improvement coordinate descent on KL/KL_stale + λ·recompute%
+    over single-group moves δ_g × f (f in ``factors``), from the label-calibrated δs. Every
+    evaluated candidate is a valid profile; the one with the lowest calibration KL among those
+    within the budget is returned.
+
+    Raises:
+        ValueError: ``budget_pct`` not in (0, 100], or no evaluated candidate stays within it
+            (raise the budget).
+    """
+    if not 0 < budget_pct <= 100:
+        raise ValueError(f"recompute budget must be in (0, 100] % of layers (got {budget_pct})")
+    bank = replay.banks[0]
+    groups = window_groups(bank.restart, bank.num_layers)
+    stale = replay.evaluate([None])[0]
+    first = start_deltas(start, groups)
+    seen: dict[tuple, ReplayResult] = {}
+
+    def run(candidates: list[list[float]]) -> list[ReplayResult]:
+        todo = [c for c in candidates if tuple(c) not in seen]
+        for c, res in zip(todo, replay.evaluate([profile_with_groups(start, groups, c) for c in todo]) if todo else []):
+            seen[tuple(c)] = res
+        if progress is not None:
+            progress.update(1)
+        return [seen[tuple(c)] for c in candidates]
+
+    def objective(res: ReplayResult, lam: float) -> float:
+        return res.kl / max(stale.kl, 1e-12) + lam * res.recompute_pct
+
+    start_result = run([first])[0]
+    for lam in lambdas:
+        current, current_res = first, start_result
+        for _ in range(max_steps):
+            moves = [current[:g] + [current[g] * f] + current[g + 1:] for g in range(len(groups)) for f in factors]
+            results = run(moves)
+            best = min(range(len(moves)), key=lambda j: objective(results[j], lam))
+            if objective(results[best], lam) >= objective(current_res, lam) - 1e-9:
+                break
+            current, current_res = moves[best], results[best]
+    feasible = [(res.kl, c) for c, res in seen.items() if res.recompute_pct <= budget_pct + 1e-9]
+    if not feasible:
+        raise ValueError(f"no evaluated profile recomputes ≤ {budget_pct} % of layers on the calibration "
+                         "trajectories: raise the budget")
+    kl, chosen = min(feasible)
+    res = seen[chosen]
+    fit = FitResult(groups, list(chosen), res.kl, res.recompute_pct, stale.kl, first, start_result.kl,
+                    start_result.recompute_pct, len(seen), replay.forwards)
+    return profile_with_groups(start, groups, list(chosen)), fit
