@@ -37,6 +37,23 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     assert "hotpotqa" in capsys.readouterr().out
     assert main(["bench", "reforge", "--rank", "0"]) == 2
     assert main(["calibrate", "--updates", "0"]) == 2
+    assert main(["calibrate", "--fit-budget", "0"]) == 2
+    assert main(["calibrate", "--fit-budget", "5", "--from-profile", str(tmp_path / "missing.json")]) == 2
+    assert "no such file" in capsys.readouterr().out
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(default_data_dir() is None, reason="calibration prompts come from ../shared/data (set KVMEMORY_DATA)")
+def test_calibrate_fits_a_budget_from_a_labelled_profile(tmp_path):
+    out = tmp_path / "fit.json"
+    assert main(["calibrate", "--from-profile", str(ROOT_PROFILE), "--fit-budget", "5", "--fit-seeds", "53",
+                 "--fit-prompts", "1", "--updates", "3", "--out", str(out)]) == 0
+    fitted, labelled = ReforgeProfile.load(out), ReforgeProfile.load(ROOT_PROFILE)
+    assert fitted.fit["budget_pct"] == 5 and fitted.fit["calibration_recompute_pct"] <= 5
+    assert fitted.fit["groups"][0] == [15] and fitted.fit["start_delta"][0] == pytest.approx(labelled.delta[15])
+    assert fitted.key == labelled.key and fitted.conditions == labelled.conditions  # labels kept for reference
+    for group, delta in zip(fitted.fit["groups"], fitted.fit["group_delta"]):
+        assert all(fitted.delta[layer] == pytest.approx(delta) for layer in group)
 
 
 @pytest.mark.real_model
