@@ -95,7 +95,7 @@ def test_fit_stays_within_its_budget(tokenizer):
     replay = PolicyReplay(model, [bank], load_snapshot)
     start_result = replay.evaluate([start])[0]
     budget = 20.0
-    fitted, fit = fit_to_budget(replay, start, budget, lambdas=(0.01,), max_steps=3)
+    fitted, fit = fit_to_budget(replay, start, budget, rounds=2, max_steps=3)
     check = replay.evaluate([fitted])[0]
     assert check.recompute_pct == pytest.approx(fit.recompute_pct) and check.recompute_pct <= budget
     assert check.kl == pytest.approx(fit.kl)

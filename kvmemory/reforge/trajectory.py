@@ -31,11 +31,13 @@ from ..execution import forward_rows
 from ..metrics import first_token_kl
 from .calibration import WINDOWS
 from .profile import ReforgeProfile
+from .recovery import decoder_of
 from .restart import restart_layers
 from .runtime import decide
 from .versions import capture_adapter, lora_modules
 
-LAMBDAS = (0.005, 0.01, 0.02, 0.04)  # KL-fraction per recomputed-layer % (Lagrangian weights)
+LAMBDA_START = 0.01  # Lagrangian weight: 1 % of layers recomputed is worth 1 % of the stale KL
+LAMBDA_ROUNDS = 4  # descents, λ bisected (geometrically) towards the budget between them
 FACTORS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)  # multiplicative moves of one group's δ
 
 
@@ -43,12 +45,14 @@ FACTORS = (0.5, 0.7, 0.85, 1.18, 1.4, 2.0)  # multiplicative moves of one group'
 class PromptVersions:
     """One calibration prompt: ``token_ids`` ``[n]``; ``base`` K/V of layers below the restart
     (adapter-independent), each ``[1, kv_heads, n-1, head_dim]``; ``kv[v][ℓ - r]`` the fresh K/V
-    of affected layer ℓ at version v; ``fresh[v]`` fresh first-token logits ``[vocab]`` (fp32)."""
+    of affected layer ℓ at version v; ``fresh[v]`` fresh first-token logits ``[vocab]`` (fp32);
+    ``entry`` the last token's hidden state entering layer r ``[1, 1, H]`` (adapter-independent)."""
 
     token_ids: torch.Tensor
     base: list[tuple[torch.Tensor, torch.Tensor]]
     kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
     fresh: list[torch.Tensor]
+    entry: torch.Tensor | None = None
 
 
 @dataclass
@@ -118,7 +122,11 @@ def _exec_restarts(model, num_layers: int) -> list[int]:
 
 
 def _prompt_versions(model, ids, snapshots, load_version, restart, progress) -> PromptVersions:
-    base, kv, fresh = [], [], []
+    base, kv, fresh, entry = [], [], [], []
+
+    def capture(module, args, kwargs):
+        entry.append((args[0] if args else kwargs["hidden_states"]).detach().clone())
+
     for snap in snapshots:
         load_version(model, snap)
         cache = kvcache.new_cache(model.config)
@@ -127,10 +135,15 @@ def _prompt_versions(model, ids, snapshots, load_version, restart, progress) -> 
         if not base:
             base = [(k.clone(), v.clone()) for k, v in layers[:restart]]
         kv.append([(k.clone(), v.clone()) for k, v in layers[restart:]])
-        fresh.append(forward_rows(model, cache, ids[-1:], ids.shape[0] - 1))
+        hook = decoder_of(model).layers[restart].register_forward_pre_hook(capture, with_kwargs=True) if not entry else None
+        try:
+            fresh.append(forward_rows(model, cache, ids[-1:], ids.shape[0] - 1))
+        finally:
+            if hook is not None:
+                hook.remove()
         if progress is not None:
             progress.update(1)
-    return PromptVersions(ids, base, kv, fresh)
+    return PromptVersions(ids, base, kv, fresh, entry[0])
 
 
 @dataclass
@@ -206,29 +219,51 @@ class PolicyReplay:
 
     def _forward(self, bank: TrajectoryBank, keys: list[tuple]) -> torch.Tensor:
         """Logits ``[len(keys), vocab]`` of each state's last prompt token: caches padded at the
-        end to the longest prompt, pads masked out, positions given explicitly."""
+        end to the longest prompt, pads masked out, positions given explicitly. Only layers ≥ r
+        run (the state entering r is the same for every version); models with a final logit
+        soft-cap take the full forward."""
         prompts = [bank.prompts[k[1]] for k in keys]
         lengths = [p.token_ids.shape[0] - 1 for p in prompts]
         width = max(lengths)
-        tensors = []
-        for layer in range(bank.num_layers):
+        first = 0 if self._full_forward() else bank.restart
+        empty = prompts[0].kv[0][0][0][:, :, :0]
+        tensors = [(empty, empty)] * first
+        for layer in range(first, bank.num_layers):
             ks, vs = [], []
             for p, key in zip(prompts, keys):
                 k, v = p.base[layer] if layer < bank.restart else p.kv[key[3][layer - bank.restart]][layer - bank.restart]
                 ks.append(_pad(k, width))
                 vs.append(_pad(v, width))
             tensors.append((torch.cat(ks), torch.cat(vs)))
-        mask = torch.zeros(len(keys), width + 1, dtype=torch.long)
+        valid = torch.zeros(len(keys), width + 1, dtype=torch.bool)
         for j, n in enumerate(lengths):
-            mask[j, :n] = 1
-        mask[:, -1] = 1
-        ids = torch.stack([p.token_ids[-1:] for p in prompts])
+            valid[j, :n] = True
+        valid[:, -1] = True
         positions = torch.tensor(lengths)[:, None]
-        with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             cache=kvcache.from_tensors(tensors), use_cache=True, logits_to_keep=1)
+        cache = kvcache.from_tensors(tensors)
         self.forwards += 1
-        return out.logits[:, -1].float()
+        with torch.no_grad():
+            if first == 0:
+                ids = torch.stack([p.token_ids[-1:] for p in prompts])
+                out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions, cache=cache,
+                                 use_cache=True, logits_to_keep=1)
+                return out.logits[:, -1].float()
+            return self._tail(torch.cat([p.entry for p in prompts]), valid, positions, cache, first)
+
+    def _full_forward(self) -> bool:
+        return getattr(self.model.config.get_text_config(), "final_logit_softcapping", None) is not None
+
+    def _tail(self, hidden, valid, positions, cache, first: int) -> torch.Tensor:
+        """Layers ``[first, N)``, final norm and LM head for ``hidden`` ``[B, 1, H]``; ``valid``
+        ``[B, width + 1]`` marks the key rows each query may see (additive mask)."""
+        decoder = decoder_of(self.model)
+        mask = torch.zeros(valid.shape, dtype=hidden.dtype).masked_fill(~valid, torch.finfo(hidden.dtype).min)
+        mask = mask[:, None, None, :]
+        position_embeddings = decoder.rotary_emb(hidden, position_ids=positions)
+        for layer in range(first, len(decoder.layers)):
+            hidden = decoder.layers[layer](hidden, attention_mask=mask, position_ids=positions, cache=cache,
+                                           use_cache=True, position_embeddings=position_embeddings)
+        return self.model.get_output_embeddings()(decoder.norm(hidden))[:, -1].float()
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -291,15 +326,18 @@ def start_deltas(profile: ReforgeProfile, groups) -> list[float]:
     return out
 
 
-def fit_to_budget(replay: PolicyReplay, start: ReforgeProfile, budget_pct: float, *, lambdas=LAMBDAS,
-                  factors=FACTORS, max_steps: int = 8, progress=None) -> tuple[ReforgeProfile, FitResult]:
+def fit_to_budget(replay: PolicyReplay, start: ReforgeProfile, budget_pct: float, *, lam: float = LAMBDA_START,
+                  rounds: int = LAMBDA_ROUNDS, factors=FACTORS, max_steps: int = 8,
+                  progress=None) -> tuple[ReforgeProfile, FitResult]:
     """Fit one δ per window group on the replay's banks for ``budget_pct`` (% of the N layers
     recomputed per update, averaged like the benchmark's recomputed-layer %).
 
-    For each λ in ``lambdas``: best-improvement coordinate descent on KL/KL_stale + λ·recompute%
-    over single-group moves δ_g × f (f in ``factors``), from the label-calibrated δs. Every
-    evaluated candidate is a valid profile; the one with the lowest calibration KL among those
-    within the budget is returned.
+    ``rounds`` descents, each a best-improvement coordinate descent on KL/KL_stale + λ·recompute%
+    over single-group moves δ_g × f (f in ``factors``, at most ``max_steps`` moves), the first
+    from the label-calibrated δs, later ones from the previous end point. Between descents λ is
+    doubled while the end point exceeds the budget, halved while it is within, and bisected
+    geometrically once both sides are known. Every evaluated candidate is a valid profile; the
+    one with the lowest calibration KL among those within the budget is returned.
 
     Raises:
         ValueError: ``budget_pct`` not in (0, 100], or no evaluated candidate stays within it
@@ -325,8 +363,9 @@ def fit_to_budget(replay: PolicyReplay, start: ReforgeProfile, budget_pct: float
         return res.kl / max(stale.kl, 1e-12) + lam * res.recompute_pct
 
     start_result = run([first])[0]
-    for lam in lambdas:
-        current, current_res = first, start_result
+    current, current_res = first, start_result
+    over, within = None, None  # largest λ seen over the budget, smallest within it
+    for _ in range(rounds):
         for _ in range(max_steps):
             moves = [current[:g] + [current[g] * f] + current[g + 1:] for g in range(len(groups)) for f in factors]
             results = run(moves)
@@ -334,6 +373,11 @@ def fit_to_budget(replay: PolicyReplay, start: ReforgeProfile, budget_pct: float
             if objective(results[best], lam) >= objective(current_res, lam) - 1e-9:
                 break
             current, current_res = moves[best], results[best]
+        if current_res.recompute_pct > budget_pct:
+            over = lam if over is None else max(over, lam)
+        else:
+            within = lam if within is None else min(within, lam)
+        lam = lam * 2 if within is None else lam / 2 if over is None else (over * within) ** 0.5
     feasible = [(res.kl, c) for c, res in seen.items() if res.recompute_pct <= budget_pct + 1e-9]
     if not feasible:
         raise ValueError(f"no evaluated profile recomputes ≤ {budget_pct} % of layers on the calibration "
