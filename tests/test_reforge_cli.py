@@ -37,8 +37,18 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     assert "hotpotqa" in capsys.readouterr().out
     assert main(["bench", "reforge", "--rank", "0"]) == 2
     assert main(["calibrate", "--updates", "0"]) == 2
-    assert main(["calibrate", "--fit-budget", "0"]) == 2
-    assert main(["calibrate", "--fit-budget", "5", "--from-profile", str(tmp_path / "missing.json")]) == 2
+    from kvmemory.demo_cases import HOTPOT_FILE
+    from kvmemory.reforge.workload import WIKI_FILE
+
+    data = tmp_path / "data"  # the fit options are checked after the data folder
+    for f in (HOTPOT_FILE, WIKI_FILE):
+        (data / f).parent.mkdir(parents=True, exist_ok=True)
+        (data / f).write_text("")
+    capsys.readouterr()
+    assert main(["calibrate", "--data", str(data), "--fit-budget", "0"]) == 2
+    assert "--fit-budget must be in (0, 100]" in capsys.readouterr().out
+    missing = tmp_path / "missing.json"
+    assert main(["calibrate", "--data", str(data), "--fit-budget", "5", "--from-profile", str(missing)]) == 2
     assert "no such file" in capsys.readouterr().out
 
 
