@@ -20,7 +20,6 @@ import statistics
 from pathlib import Path
 
 from rich.console import Console
-from tqdm import tqdm
 
 
 def main() -> None:
@@ -33,11 +32,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    from kvmemory.reforge.cli import add_workload_arguments, check_workload_args, load_workload
+    from kvmemory.reforge.cli import add_workload_arguments, check_workload_args, load_workload, trajectory_bank
     from kvmemory.reforge.profile import ReforgeProfile
-    from kvmemory.reforge.trajectory import PolicyReplay, build_bank
-    from kvmemory.reforge.workload import load_snapshot, qa_samples, update_trajectory
-    from kvmemory.session import KVSession
+    from kvmemory.reforge.trajectory import PolicyReplay
+    from kvmemory.reforge.workload import load_snapshot
 
     wl = argparse.ArgumentParser()
     add_workload_arguments(wl)
@@ -55,16 +53,7 @@ def main() -> None:
             profiles[label] = ReforgeProfile.load(path).scaled(alpha)
     rows = {}
     for seed in (int(s) for s in args.seeds.split(",")):
-        prompts = qa_samples(w.data_dir, "eval", args.prompts, passages=w.passages, seed=seed)
-        train = qa_samples(w.data_dir, "train", 40, passages=0, seed=seed)
-        versions = update_trajectory(w.model, w.tokenizer, train, args.updates, wargs.magnitude, seed)
-        ids = []
-        for sample in prompts:
-            s = KVSession(w.model, w.tokenizer, "replay")
-            s.prepare(list(sample.messages))
-            ids.append(list(s.token_ids))
-        with tqdm(total=len(ids) * (args.updates + 1), desc=f"held-out bank (seed {seed})") as bar:
-            bank = build_bank(w.model, ids, versions, load_snapshot, bar)
+        bank = trajectory_bank(w, "eval", args.prompts, seed, args.updates, wargs.magnitude)
         results = PolicyReplay(w.model, [bank], load_snapshot).evaluate([None, *profiles.values()])
         rows[seed] = {"stale": results[0].__dict__, **{n: r.__dict__ for n, r in zip(profiles, results[1:])}}
     pooled = {n: {"kl": statistics.fmean(rows[s][n]["kl"] for s in rows),

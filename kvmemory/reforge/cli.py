@@ -156,29 +156,37 @@ def _label_calibration(w: Workload, args, key, *, samples: int, updates: int, st
     return profile
 
 
+def trajectory_bank(w: Workload, split: str, prompts: int, seed: int, updates: int, magnitude: float):
+    """A :class:`~kvmemory.reforge.trajectory.TrajectoryBank`: ``prompts`` items of ``split``
+    (calibration / eval) under the ``updates``-step trajectory of ``seed``."""
+    from ..session import KVSession
+    from .trajectory import build_bank
+    from .workload import load_snapshot, qa_samples, update_trajectory
+
+    samples = qa_samples(w.data_dir, split, prompts, passages=w.passages, seed=seed)
+    train = qa_samples(w.data_dir, "train", 40, passages=0, seed=seed)
+    versions = update_trajectory(w.model, w.tokenizer, train, updates, magnitude, seed)
+    ids = []
+    for sample in samples:  # the token ids a session renders for the prompt
+        session = KVSession(w.model, w.tokenizer, "replay")
+        session.prepare(list(sample.messages))
+        ids.append(list(session.token_ids))
+    with tqdm(total=len(ids) * (updates + 1), desc=f"{split} trajectory bank (seed {seed})") as bar:
+        return build_bank(w.model, ids, versions, load_snapshot, bar)
+
+
 def fit_profile(w: Workload, args, console, profile, updates: int):
     """Fit ``profile``'s δ per window group for ``args.fit_budget`` on one calibration trajectory
     per ``args.fit_seeds`` seed (``args.fit_prompts`` calibration prompts each)."""
-    from ..session import KVSession
-    from .trajectory import PolicyReplay, build_bank, fit_to_budget
-    from .workload import load_snapshot, qa_samples, update_trajectory
+    from .trajectory import PolicyReplay, fit_to_budget
+    from .workload import load_snapshot
 
-    banks = []
-    for seed in args.fit_seeds:
-        prompts = qa_samples(w.data_dir, "calibration", args.fit_prompts, passages=w.passages, seed=seed)
-        train = qa_samples(w.data_dir, "train", 40, passages=0, seed=seed)
-        versions = update_trajectory(w.model, w.tokenizer, train, updates, args.magnitude, seed)
-        ids = []
-        for sample in prompts:
-            session = KVSession(w.model, w.tokenizer, "replay")
-            session.prepare(list(sample.messages))
-            ids.append(list(session.token_ids))
-        with tqdm(total=len(ids) * (updates + 1), desc=f"fit trajectory bank (seed {seed})") as bar:
-            banks.append(build_bank(w.model, ids, versions, load_snapshot, bar))
+    banks = [trajectory_bank(w, "calibration", args.fit_prompts, seed, updates, args.magnitude)
+             for seed in args.fit_seeds]
     replay = PolicyReplay(w.model, banks, load_snapshot)
     with tqdm(desc="fitting δ per window group", unit="round") as bar:
         fitted, fit = fit_to_budget(replay, profile, args.fit_budget, progress=bar)
-    fitted.fit = {
+    fitted.fit = {  # the profile JSON's record of the fit (names as in the frozen profiles)
         "budget_pct": args.fit_budget, "seeds": list(args.fit_seeds), "prompts_per_seed": args.fit_prompts,
         "updates": updates, "groups": [list(g) for g in fit.groups], "group_delta": fit.group_delta,
         "calibration_kl": fit.kl, "calibration_recompute_pct": fit.recompute_pct, "stale_kl": fit.stale_kl,

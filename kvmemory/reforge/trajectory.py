@@ -187,6 +187,7 @@ class PolicyReplay:
                 self._fill(bank, t, {k for row in keys for k in row if k not in self._kl})
                 for c in range(len(profiles)):
                     kls[c] += [self._kl[k] for k in keys[c]]
+            self.load_version(self.model, bank.snapshots[0])  # _fill switched versions
         return [ReplayResult(statistics.fmean(k), statistics.fmean(r), a) for k, r, a in zip(kls, recs, actions)]
 
     @staticmethod
@@ -215,7 +216,6 @@ class PolicyReplay:
             logits = self._forward(bank, chunk)
             for key, z in zip(chunk, logits):
                 self._kl[key] = first_token_kl(bank.prompts[key[1]].fresh[t], z)
-        self.load_version(self.model, bank.snapshots[0])
 
     def _forward(self, bank: TrajectoryBank, keys: list[tuple]) -> torch.Tensor:
         """Logits ``[len(keys), vocab]`` of each state's last prompt token: caches padded at the
