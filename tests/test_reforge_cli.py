@@ -47,6 +47,8 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     capsys.readouterr()
     assert main(["calibrate", "--data", str(data), "--fit-budget", "0"]) == 2
     assert "--fit-budget must be in (0, 100]" in capsys.readouterr().out
+    assert main(["calibrate", "--data", str(data), "--fit-budget", "5", "--fit-groups", "15-x"]) == 2
+    assert "--fit-groups" in capsys.readouterr().out
     missing = tmp_path / "missing.json"
     assert main(["calibrate", "--data", str(data), "--fit-budget", "5", "--from-profile", str(missing)]) == 2
     assert "no such file" in capsys.readouterr().out

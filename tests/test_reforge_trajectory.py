@@ -10,7 +10,7 @@ import torch
 from kvmemory.metrics import first_token_kl
 from kvmemory.reforge import ReforgeConfig
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
-from kvmemory.reforge.trajectory import PolicyReplay, build_bank, fit_to_budget, window_groups
+from kvmemory.reforge.trajectory import PolicyReplay, build_bank, fit_to_budget, parse_groups, window_groups
 from kvmemory.reforge.workload import load_snapshot, trainable_snapshot
 from kvmemory.session import KVSession
 from support import QUERY, history
@@ -104,6 +104,24 @@ def test_fit_stays_within_its_budget(tokenizer):
     assert fitted.sensitivity[:2] == [0.0, 0.0] and all(s > 0 for s in fitted.sensitivity[2:])
     with pytest.raises(ValueError, match="budget"):
         fit_to_budget(replay, start, 0.0)
+
+
+def test_group_text_parses_and_is_checked(tokenizer):
+    assert parse_groups("window") is None
+    assert parse_groups("2-2,3-5") == [(2,), (3, 4, 5)]
+    for bad in ("2-x", "5-3", "2"):
+        with pytest.raises(ValueError, match="groups"):
+            parse_groups(bad)
+    model = lora_tiny(targets=("v_proj",), layers=(2,), trainable_layer=2)
+    bank = build_bank(model, [prompt_ids(model, tokenizer, PROMPTS[1])], trajectory(model, 3, layer=2), load_snapshot)
+    step = float(bank.distances[1, 0])
+    start = profile_for(LAYERS, {layer: 2.5 * step for layer in range(2, 6)})
+    replay = PolicyReplay(model, [bank], load_snapshot)
+    fitted, fit = fit_to_budget(replay, start, 50.0, rounds=1, max_steps=2, groups=[(2,), (3,), (4, 5)])
+    assert fit.groups == [(2,), (3,), (4, 5)] and fitted.delta[4] == fitted.delta[5] == fit.group_delta[2]
+    for bad, match in (([(1, 2)], "outside"), ([(2, 3), (3,)], "overlap")):
+        with pytest.raises(ValueError, match=match):
+            fit_to_budget(replay, start, 50.0, groups=bad)
 
 
 def test_bank_refuses_a_model_without_lora(tokenizer):

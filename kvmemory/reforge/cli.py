@@ -47,6 +47,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         "labelled δ")
     parser.add_argument("--fit-seeds", type=_ints, default=(53, 61),
                         help="calibration trajectory seeds for --fit-budget (default 53,61, the paper's)")
+    parser.add_argument("--fit-groups", default="window",
+                        help="δ groups of --fit-budget: window (one per layer range the paper's windows add; "
+                        "default) or inclusive layer ranges like 15-15,16-16,17-18")
     parser.add_argument("--fit-prompts", type=int, default=8,
                         help="calibration prompts per fit trajectory (default 8, the paper's samples per task)")
 
@@ -97,6 +100,12 @@ def check_workload_args(args) -> str | None:
         return f"--fit-budget must be in (0, 100] % of layers (got {budget})"
     if getattr(args, "fit_prompts", 1) < 1:
         return "--fit-prompts must be at least 1"
+    try:
+        from .trajectory import parse_groups
+
+        parse_groups(getattr(args, "fit_groups", "window"))
+    except ValueError as err:
+        return f"--fit-groups: {err}"
     source = getattr(args, "from_profile", None)
     if source is not None and not Path(source).is_file():
         return f"--from-profile {source}: no such file (run `kvmemory calibrate --out FILE` first)"
@@ -178,14 +187,15 @@ def trajectory_bank(w: Workload, split: str, prompts: int, seed: int, updates: i
 def fit_profile(w: Workload, args, console, profile, updates: int):
     """Fit ``profile``'s δ per window group for ``args.fit_budget`` on one calibration trajectory
     per ``args.fit_seeds`` seed (``args.fit_prompts`` calibration prompts each)."""
-    from .trajectory import PolicyReplay, fit_to_budget
+    from .trajectory import PolicyReplay, fit_to_budget, parse_groups
     from .workload import load_snapshot
 
     banks = [trajectory_bank(w, "calibration", args.fit_prompts, seed, updates, args.magnitude)
              for seed in args.fit_seeds]
     replay = PolicyReplay(w.model, banks, load_snapshot)
     with tqdm(desc="fitting δ per window group", unit="round") as bar:
-        fitted, fit = fit_to_budget(replay, profile, args.fit_budget, progress=bar)
+        fitted, fit = fit_to_budget(replay, profile, args.fit_budget, progress=bar,
+                                   groups=parse_groups(args.fit_groups))
     fitted.fit = {  # the profile JSON's record of the fit (names as in the frozen profiles)
         "budget_pct": args.fit_budget, "seeds": list(args.fit_seeds), "prompts_per_seed": args.fit_prompts,
         "updates": updates, "groups": [list(g) for g in fit.groups], "group_delta": fit.group_delta,

@@ -305,6 +305,38 @@ class FitResult:
         return 100.0 * (1.0 - self.kl / self.stale_kl) if self.stale_kl > 0 else 0.0
 
 
+def parse_groups(text: str) -> list[tuple[int, ...]] | None:
+    """δ groups for :func:`fit_to_budget` from text: ``window`` → None (the paper's window
+    groups, :func:`window_groups`); ``15-15,16-18`` → ``[(15,), (16, 17, 18)]`` (inclusive layer
+    ranges; ``fit_to_budget`` checks them against the restart layer).
+
+    Raises:
+        ValueError: not ``window`` nor a comma list of ``lo-hi`` ranges with lo ≤ hi.
+    """
+    if text.strip() == "window":
+        return None
+    groups = []
+    for part in text.split(","):
+        try:
+            lo, hi = (int(x) for x in part.split("-"))
+        except ValueError:
+            raise ValueError(f"δ groups: expected 'window' or layer ranges like 15-15,16-18, got {text!r}") from None
+        if not 0 <= lo <= hi:
+            raise ValueError(f"δ groups: range {part!r} must have 0 <= lo <= hi")
+        groups.append(tuple(range(lo, hi + 1)))
+    return groups
+
+
+def _check_groups(groups, restart: int, num_layers: int) -> None:
+    layers = [layer for group in groups for layer in group]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"δ groups {groups} overlap: give each affected layer to one group")
+    outside = [layer for layer in layers if not restart <= layer < num_layers]
+    if outside:
+        raise ValueError(f"δ groups name layers {outside} outside the affected layers [{restart}, {num_layers}): "
+                         "group only layers at or after the restart layer")
+
+
 def profile_with_groups(base: ReforgeProfile, groups, group_delta: list[float]) -> ReforgeProfile:
     """``base`` with δ_ℓ = the δ of ℓ's group and s_ℓ = 1/δ_ℓ (layers outside every group keep theirs)."""
     delta, sensitivity = list(base.delta), list(base.sensitivity)
@@ -328,6 +360,7 @@ def start_deltas(profile: ReforgeProfile, groups) -> list[float]:
 
 def fit_to_budget(replay: PolicyReplay, start: ReforgeProfile, budget_pct: float, *, lam: float = LAMBDA_START,
                   rounds: int = LAMBDA_ROUNDS, factors=FACTORS, max_steps: int = 8,
+                  groups: list[tuple[int, ...]] | None = None,
                   progress=None) -> tuple[ReforgeProfile, FitResult]:
     """Fit one δ per window group on the replay's banks for ``budget_pct`` (% of the N layers
     recomputed per update, averaged like the benchmark's recomputed-layer %).
@@ -339,14 +372,18 @@ def fit_to_budget(replay: PolicyReplay, start: ReforgeProfile, budget_pct: float
     geometrically once both sides are known. Every evaluated candidate is a valid profile; the
     one with the lowest calibration KL among those within the budget is returned.
 
+    ``groups``: the δ groups (default :func:`window_groups`; finer groups fit more δ at more
+    evaluations, e.g. ``[(15,), (16,), …]`` one per layer).
+
     Raises:
-        ValueError: ``budget_pct`` not in (0, 100], or no evaluated candidate stays within it
-            (raise the budget).
+        ValueError: ``budget_pct`` not in (0, 100], ``groups`` overlapping or naming layers before
+            the restart layer, or no evaluated candidate stays within the budget (raise it).
     """
     if not 0 < budget_pct <= 100:
         raise ValueError(f"recompute budget must be in (0, 100] % of layers (got {budget_pct})")
     bank = replay.banks[0]
-    groups = window_groups(bank.restart, bank.num_layers)
+    groups = groups or window_groups(bank.restart, bank.num_layers)
+    _check_groups(groups, bank.restart, bank.num_layers)
     stale = replay.evaluate([None])[0]
     first = start_deltas(start, groups)
     seen: dict[tuple, ReplayResult] = {}
