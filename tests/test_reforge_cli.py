@@ -59,10 +59,11 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
 def test_calibrate_fits_a_budget_from_a_labelled_profile(tmp_path):
     out = tmp_path / "fit.json"
     assert main(["calibrate", "--from-profile", str(ROOT_PROFILE), "--fit-budget", "5", "--fit-seeds", "53",
-                 "--fit-prompts", "1", "--updates", "3", "--out", str(out)]) == 0
+                 "--fit-prompts", "1", "--updates", "3", "--fit-groups", "15-15,16-18,19-29",
+                 "--out", str(out)]) == 0
     fitted, labelled = ReforgeProfile.load(out), ReforgeProfile.load(ROOT_PROFILE)
     assert fitted.fit["budget_pct"] == 5 and fitted.fit["calibration_recompute_pct"] <= 5
-    assert fitted.fit["groups"][0] == [15] and fitted.fit["start_delta"][0] == pytest.approx(labelled.delta[15])
+    assert fitted.fit["groups"] == [[15], [16, 17, 18], list(range(19, 30))] and fitted.fit["start_delta"][0] == pytest.approx(labelled.delta[15])
     assert fitted.key == labelled.key and fitted.conditions == labelled.conditions  # labels kept for reference
     for group, delta in zip(fitted.fit["groups"], fitted.fit["group_delta"]):
         assert all(fitted.delta[layer] == pytest.approx(delta) for layer in group)
