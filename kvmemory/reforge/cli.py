@@ -42,7 +42,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-profile", type=Path, default=None,
                         help="start from this label-calibrated profile instead of running the window calibration")
     parser.add_argument("--fit-budget", type=float, default=None,
-                        help="fit one δ per window group on calibration trajectories for this recomputed-layer "
+                        help="fit one δ per group (--fit-groups) on calibration trajectories for this recomputed-layer "
                         "budget (%% of layers per update; kvmemory.reforge.trajectory); default: the paper's "
                         "labelled δ")
     parser.add_argument("--fit-seeds", type=_ints, default=(53, 61),
@@ -185,7 +185,7 @@ def trajectory_bank(w: Workload, split: str, prompts: int, seed: int, updates: i
 
 
 def fit_profile(w: Workload, args, console, profile, updates: int):
-    """Fit ``profile``'s δ per window group for ``args.fit_budget`` on one calibration trajectory
+    """Fit ``profile``'s δ per ``args.fit_groups`` group for ``args.fit_budget`` on one calibration trajectory
     per ``args.fit_seeds`` seed (``args.fit_prompts`` calibration prompts each)."""
     from .trajectory import PolicyReplay, fit_to_budget, parse_groups
     from .workload import load_snapshot
@@ -193,7 +193,7 @@ def fit_profile(w: Workload, args, console, profile, updates: int):
     banks = [trajectory_bank(w, "calibration", args.fit_prompts, seed, updates, args.magnitude)
              for seed in args.fit_seeds]
     replay = PolicyReplay(w.model, banks, load_snapshot)
-    with tqdm(desc="fitting δ per window group", unit="round") as bar:
+    with tqdm(desc="fitting δ per group", unit="round") as bar:
         fitted, fit = fit_to_budget(replay, profile, args.fit_budget, progress=bar,
                                    groups=parse_groups(args.fit_groups))
     fitted.fit = {  # the profile JSON's record of the fit (names as in the frozen profiles)
@@ -204,7 +204,7 @@ def fit_profile(w: Workload, args, console, profile, updates: int):
         "start_kl": fit.start_kl, "start_recompute_pct": fit.start_recompute_pct,
         "evaluated_profiles": fit.evaluated, "batched_forwards": fit.forwards,
     }
-    console.print(f"fitted δ per window group {[round(d, 3) for d in fit.group_delta]}: calibration KL "
+    console.print(f"fitted δ per group {[round(d, 3) for d in fit.group_delta]}: calibration KL "
                   f"{fit.kl:.4f} ({fit.kl_reduction_pct:.1f} % below stale) at {fit.recompute_pct:.2f} % layers "
                   f"(labelled δ: KL {fit.start_kl:.4f} at {fit.start_recompute_pct:.2f} %)")
     return fitted

@@ -362,8 +362,8 @@ def fit_to_budget(replay: PolicyReplay, start: ReforgeProfile, budget_pct: float
                   rounds: int = LAMBDA_ROUNDS, factors=FACTORS, max_steps: int = 8,
                   groups: list[tuple[int, ...]] | None = None,
                   progress=None) -> tuple[ReforgeProfile, FitResult]:
-    """Fit one δ per window group on the replay's banks for ``budget_pct`` (% of the N layers
-    recomputed per update, averaged like the benchmark's recomputed-layer %).
+    """Fit one δ per group (default: per window group) on the replay's banks for ``budget_pct``
+    (% of the N layers recomputed per update, averaged like the benchmark's recomputed-layer %).
 
     ``rounds`` descents, each a best-improvement coordinate descent on KL/KL_stale + λ·recompute%
     over single-group moves δ_g × f (f in ``factors``, at most ``max_steps`` moves), the first
