@@ -432,16 +432,20 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         return {**metadata, CACHE_KEY: {**ref.to_dict(), "tokens": tokens}}
 
     def _store_thread(self, tid: str) -> tuple[BlobRef, int] | None:
-        session = self.threads.get(tid)  # never creates one: an evicted thread must stay evicted
-        if session is None or not session.token_ids:
-            return None  # nothing cached yet (e.g. the input checkpoint of a new thread)
-        fingerprint = _fingerprint(session)
-        last = self._stored.get(tid)
-        if last is not None and last[0] == fingerprint and self.store.path(last[1].sha256).is_file():
-            return last[1], fingerprint[1]  # unchanged since the last put (e.g. a tool step)
-        state = self.threads.export_state(tid)
-        if state is None or not state.token_ids:
-            return None
+        """Persist the thread's last committed state: its state when no call runs on it, else (a
+        call is mid-way, e.g. LangGraph writing an input checkpoint while the model node runs)
+        the blob stored for it last, if any. Never a half-prepared state, never a wait."""
+        with self.threads.idle(tid) as session:  # never creates one: an evicted thread stays evicted
+            if session is None:
+                last = self._stored.get(tid)
+                return None if last is None or not self.store.path(last[1].sha256).is_file() else (last[1], last[0][1])
+            if not session.token_ids:
+                return None  # nothing cached yet (e.g. the input checkpoint of a new thread)
+            fingerprint = _fingerprint(session)
+            last = self._stored.get(tid)
+            if last is not None and last[0] == fingerprint and self.store.path(last[1].sha256).is_file():
+                return last[1], fingerprint[1]  # unchanged since the last put (e.g. a tool step)
+            state = export_state(session, self.threads.model_name)
         ref = self.store.put(state.tensors(), state.metadata())
         self._stored[tid] = (fingerprint, ref)
         return ref, len(state.token_ids)

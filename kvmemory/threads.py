@@ -451,6 +451,22 @@ class ThreadCaches:
         with entry.lock:
             return export_state(entry.session, self.model_name)
 
+    @contextmanager
+    def idle(self, thread_id: str) -> Iterator[KVSession | None]:
+        """The thread's session with its lock held, if it is live and no call runs on it now;
+        else None, without waiting. A call in progress holds a half-prepared state (rows of a
+        prompt without its answer, or a repair under way): a reader such as a checkpoint ``put``
+        must not persist it, and must not wait for the call either (LangGraph writes checkpoints
+        in the background while the next node runs)."""
+        entry = self._entries.get(str(thread_id))
+        if entry is None or not entry.lock.acquire(blocking=False):
+            yield None
+            return
+        try:
+            yield entry.session if self._entries.get(str(thread_id)) is entry else None
+        finally:
+            entry.lock.release()
+
     def import_state(self, thread_id: str, state: CacheState) -> KVSession:
         """Make ``state`` the thread's live cache (e.g. after a process restart) and enforce the
         budget. Raises CacheStateError (see :func:`import_state`); the thread is then unchanged."""

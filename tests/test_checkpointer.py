@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -201,7 +202,7 @@ def test_unchanged_cache_is_not_rewritten_and_delete_thread_drops_it(tmp_path, t
     db = tmp_path / "chk.sqlite"
     with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
         graph = _graph(saver.threads, saver, [])
-        graph.invoke({"messages": TURN1}, CONFIG)
+        graph.invoke({"messages": TURN1}, CONFIG, durability="sync")  # every checkpoint written in step
         refs = [t.metadata.get(CACHE_KEY) for t in saver.list(CONFIG)]
         graph.update_state(CONFIG, {"messages": [HumanMessage("note", id="n1")]})  # no model call
         assert saver.get_tuple(CONFIG).metadata[CACHE_KEY] == refs[0]
@@ -210,6 +211,39 @@ def test_unchanged_cache_is_not_rewritten_and_delete_thread_drops_it(tmp_path, t
         assert "t-1" not in saver.threads and saver.get_tuple(CONFIG) is None
         os.utime(saver.store.path(refs[0]["sha256"]), (0, 0))
         assert saver.collect_garbage() == [refs[0]["sha256"]]
+
+
+def test_a_put_during_a_running_call_names_the_last_committed_state(tmp_path, tokenizer, llama):
+    """LangGraph may write a checkpoint while a model call is half-way (async durability): the
+    put neither waits for the call nor persists its half-prepared rows."""
+    with KVCheckpointSaver.from_sqlite(tmp_path / "chk.sqlite", ThreadCaches(llama, tokenizer)) as saver:
+        graph = _graph(saver.threads, saver, [])
+        graph.invoke({"messages": TURN1}, CONFIG, durability="sync")
+        committed = saver.get_tuple(CONFIG).metadata[CACHE_KEY]
+        entered, leave = threading.Event(), threading.Event()
+
+        def running_call():  # the next prompt prefilled, its answer not decoded yet
+            with saver.threads.lease("t-1") as session:
+                session.prepare(_as_dicts(TURN1 + [AIMessage("Blue.", id="a1"), *TURN2]))
+                entered.set()
+                leave.wait(60)
+
+        worker = threading.Thread(target=running_call)
+        worker.start()
+        try:
+            assert entered.wait(60)
+            done: list = []
+            putter = threading.Thread(target=lambda: done.append(
+                graph.update_state(CONFIG, {"messages": [HumanMessage("note", id="n1")]})))
+            putter.start()
+            putter.join(30)
+            assert done, "the checkpoint put waited for the running call"
+            assert saver.get_tuple(CONFIG).metadata[CACHE_KEY] == committed
+            assert saver.store.digests() == {committed["sha256"]}
+        finally:
+            leave.set()
+            worker.join()
+            putter.join()
 
 
 def test_copied_thread_resumes_from_the_shared_blob(tmp_path, tokenizer, llama):
