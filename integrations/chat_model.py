@@ -16,6 +16,7 @@ import math
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any, Callable, Iterator, Literal, Sequence
@@ -59,19 +60,24 @@ RESERVE_SLACK = 16  # rows a call may hold beyond prompt + answer (end-of-turn m
 
 @dataclass
 class _Runtime:
-    """A loaded model shared by every ChatKVMemory instance naming it."""
+    """A loaded model and what its chat template renders: one per model kvmemory loaded by name
+    (shared by the instances naming it), or pinned to the instance given a LoadedModel."""
 
     loaded: LoadedModel
     template_tools: bool
-    _grammars: Grammars | None = None
 
     @property
     def grammars(self) -> Grammars:
-        if self._grammars is None:  # built on first constrained call (~1 s for the tokenizer info)
-            self._grammars = Grammars(self.loaded.tokenizer, self.loaded.model.config.vocab_size)
-        return self._grammars
+        # built on the first constrained call (~1 s for the tokenizer info), once per tokenizer object
+        tokenizer, vocab = self.loaded.tokenizer, self.loaded.model.config.vocab_size
+        with _RUNTIMES_LOCK:
+            per_vocab = _GRAMMARS.setdefault(tokenizer, {})
+            if vocab not in per_vocab:
+                per_vocab[vocab] = Grammars(tokenizer, vocab)
+            return per_vocab[vocab]
 
 
+_GRAMMARS: "weakref.WeakKeyDictionary[Any, dict[int, Grammars]]" = weakref.WeakKeyDictionary()
 _RUNTIMES: dict[tuple[str, str], _Runtime] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
@@ -96,8 +102,8 @@ class ChatKVMemory(BaseChatModel):
         llm.invoke("Hello", config={"configurable": {"thread_id": "t1"}})
         ```
 
-    Standard params: ``model`` (``"smollm2"`` = the embedded SmolLM2-135M-Instruct, or a local
-    model folder), ``temperature`` (0 = greedy), ``max_tokens``, ``stop``, ``timeout`` (seconds of
+    Standard params: ``model`` (``"smollm2"`` = the embedded SmolLM2-135M-Instruct, a local
+    model folder, or a :class:`kvmemory.LoadedModel` that this instance alone runs), ``temperature`` (0 = greedy), ``max_tokens``, ``stop``, ``timeout`` (seconds of
     decoding; the answer so far is returned with finish_reason ``"timeout"``), ``max_retries``
     (accepted for compatibility: local decoding has no transient failures to retry),
     ``streaming``.
@@ -140,18 +146,28 @@ class ChatKVMemory(BaseChatModel):
     _registries: dict[tuple[str, str], ThreadCaches] = PrivateAttr(default_factory=dict)
     _registry_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _accept_loaded_model(cls, data: Any) -> Any:
-        """``model=`` may be an already loaded :class:`kvmemory.LoadedModel` (shared, not reloaded)."""
-        if isinstance(data, dict) and isinstance(data.get("model"), LoadedModel):
-            loaded = data["model"]
+    _pinned: _Runtime | None = PrivateAttr(default=None)
+
+    def __init__(self, **kwargs: Any):
+        """``model=`` may be an already loaded :class:`kvmemory.LoadedModel`: this instance then
+        runs exactly that object (never a model loaded by name elsewhere in the process, and
+        never lent to another instance that names the same model).
+
+        Raises:
+            ValueError (pydantic ValidationError): ``dtype`` given and different from the
+                LoadedModel's.
+        """
+        loaded = kwargs.get("model")
+        if isinstance(loaded, LoadedModel):
             dtype = "bf16" if loaded.dtype == torch.bfloat16 else "fp32"
-            key = "smollm2" if loaded.name == EMBEDDED_NAME else str(loaded.path)
-            with _RUNTIMES_LOCK:
-                _RUNTIMES.setdefault((key, dtype), _Runtime(loaded, template_renders_tools(loaded.tokenizer)))
-            data = {**data, "model": key, "dtype": dtype}
-        return data
+            if kwargs.get("dtype", dtype) != dtype:
+                raise ValueError(f"dtype={kwargs['dtype']!r} but the LoadedModel runs in {dtype}: "
+                                 "omit dtype, or load the model with load_model(..., dtype=...)")
+            kwargs = {**kwargs, "model": "smollm2" if loaded.name == EMBEDDED_NAME else str(loaded.path),
+                      "dtype": dtype}
+        super().__init__(**kwargs)
+        if isinstance(loaded, LoadedModel):
+            self._pinned = _Runtime(loaded, template_renders_tools(loaded.tokenizer))
 
     @model_validator(mode="after")
     def _check_settings(self) -> "ChatKVMemory":
@@ -185,10 +201,17 @@ class ChatKVMemory(BaseChatModel):
                 "tool_call_streaming": True, "open_weights": True}
 
     # ------------------------------------------------------------- threads
+    def _runtime_of(self, name: str) -> _Runtime:
+        """The model object calls naming ``name`` run: the LoadedModel this instance was given,
+        else the process-wide one kvmemory loaded from that name or folder."""
+        if self._pinned is not None and name == self.model:
+            return self._pinned
+        return _runtime(name, self.dtype)
+
     def threads_for(self, model: str | None = None) -> ThreadCaches:
         """The live-cache registry of ``model`` (default: this instance's model), loading it."""
         name = model or self.model
-        runtime = _runtime(name, self.dtype)
+        runtime = self._runtime_of(name)
         with self._registry_lock:
             key = (name, self.dtype)
             if key not in self._registries:
@@ -202,7 +225,7 @@ class ChatKVMemory(BaseChatModel):
         if self.guard is None:
             return None
         name = model or self.model
-        runtime = _runtime(name, self.dtype)
+        runtime = self._runtime_of(name)
         with self._registry_lock:
             key = (name, self.dtype)
             if key not in self._guards:
@@ -293,7 +316,7 @@ class ChatKVMemory(BaseChatModel):
         _check_call_settings(kwargs.get("repair_policy"), kwargs.get("max_tokens"), kwargs.get("temperature"),
                              kwargs.get("timeout"))
         model_name = kwargs.get("model") or self.model
-        runtime = _runtime(model_name, self.dtype)
+        runtime = self._runtime_of(model_name)
         tools = kwargs.get("tools") or None
         choice = _tool_choice(kwargs.get("tool_choice"), tools)
         if choice == "auto" and self.auto_tool_calls == "after_user" and isinstance(messages[-1], HumanMessage):

@@ -204,3 +204,21 @@ def test_real_model_mid_history_edit_reports_a_budgeted_repair(real):
     assert repair["edits"].get("replace") == 1 and repair["stale_tokens"] > 0
     assert repair["refreshed_tokens"] == -(-repair["stale_tokens"] * 5 // 100)  # B = ceil(S * b / 100)
     assert edited.usage_metadata["input_token_details"]["cache_read"] == repair["reused_tokens"] > 0
+
+
+def test_a_loaded_model_is_used_by_its_instance_only(tokenizer, real):
+    """ChatKVMemory(model=LoadedModel) runs exactly that object, whichever instance came first;
+    a plain ChatKVMemory() keeps the model kvmemory loads itself."""
+    changed = LoadedModel(tiny_model("llama"), tokenizer, real.name, real.path, torch.float32)
+    plain_before = ChatKVMemory(max_tokens=2)
+    assert plain_before.threads.model is not changed.model  # the embedded model, loaded by name
+    pinned = ChatKVMemory(model=changed, max_tokens=2)
+    assert pinned.model == "smollm2" and pinned.threads.model is changed.model
+    later_plain = ChatKVMemory(max_tokens=2).threads.model
+    assert later_plain is plain_before.threads.model and later_plain is not changed.model
+    answer = pinned.invoke([HumanMessage("Hi")], {"configurable": {"thread_id": "pinned"}})
+    plain = plain_before.invoke([HumanMessage("Hi")], {"configurable": {"thread_id": "pinned"}})
+    assert answer.response_metadata["model_name"] == plain.response_metadata["model_name"]
+    assert pinned.threads.session("pinned").token_ids != plain_before.threads.session("pinned").token_ids
+    with pytest.raises(ValueError, match="dtype"):
+        ChatKVMemory(model=changed, dtype="bf16")
