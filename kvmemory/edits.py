@@ -92,7 +92,7 @@ class EditPlan:
     @property
     def new_positions(self) -> list[int]:
         """Positions >= g that must be computed because no row exists for them."""
-        reused = set(self.suffix_positions)
+        reused = {n + k for n, _, length in self.reuse for k in range(length)}  # kept stale rows too
         return [p for p in range(self.exact_prefix, self.new_length) if p not in reused]
 
     def count(self, kind: OpKind) -> int:

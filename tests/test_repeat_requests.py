@@ -129,6 +129,7 @@ def test_a_new_edit_charges_its_allowance_on_its_own_suffix(llama, tokenizer):
     assert report.kept_stale_tokens == f - exact > 0
     assert report.stale_tokens == query.token_end - query.token_start  # only rows after f are s
     assert report.refreshed_tokens == allowance(report.stale_tokens, 5)
+    assert all(a >= f for a, _ in report.spans)  # no kept stale row is recomputed
     assert s.exact_rows == exact
     s.check_invariants()
 
