@@ -247,6 +247,7 @@ def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
         _rotate_moved_keys(ctx.shifter, shifted, rows)
         return shifted
 
+    # rows before kept_prefix (exact, or stale and already paid for) are context shared by both prompts
     return RepairSignals(
         model=ctx.model, token_ids=new.token_ids, eligible=_eligible(plan), old_ids=cached_ids,
         dirty_cache=cache, reuse=plan.reuse, exact_prefix=plan.kept_prefix, make_shift_cache=shift_cache,
