@@ -26,7 +26,7 @@ def demo_policies(budgets: list[float]) -> dict[str, RepairPolicy]:
     for b in budgets:
         policies[f"sur@{b:g}"] = RepairPolicy(operator="refresh", budget=b, allocator="sur")
     policies["replay"] = RepairPolicy(operator="replay")
-    policies["reprefill"] = RepairPolicy(operator="reprefill")
+    policies["reprefill"] = RepairPolicy(operator="reprefill", scope="always")  # whole prompt, whatever the edit
     return policies
 
 

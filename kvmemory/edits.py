@@ -35,12 +35,16 @@ class EditPlan:
     Attributes:
         ops: message-level operations in new-prompt order (deletions where they were).
         common_prefix: f, the number of leading tokens identical in the cached ids and the new
-            prompt; rows [0, f) keep their place.
+            prompt; rows [0, f) keep their place. f is this request's first edit point.
         exact_prefix: g <= f, the rows [0, g) that equal a Re-prefill of the new prompt. g < f
-            when an earlier sparse repair left stale rows before f; those rows are then part of
-            the repairable suffix, so that a full budget (Replay) still equals Re-prefill.
+            when an earlier sparse repair left stale rows before f.
+        kept_prefix: k, g <= k <= f: rows [0, k) are kept as they are. Rows [g, k) are stale rows
+            an earlier repair already paid for (the allowance belongs to the edit that made them
+            stale); k = g (the default) puts them back into the repairable suffix, so that a full
+            budget (Replay) still equals Re-prefill.
         reuse: runs ``(new_start, old_start, length)`` of stale rows at positions >= g that keep
-            their old K/V (after Shift). Their positions form the suffix s, S = sum of lengths.
+            their old K/V (after Shift). Those at positions >= k form the suffix s,
+            S = len(s) (``stale_tokens``); a run in [g, k) holds the kept stale rows in place.
         widened: keys of kept messages whose tokens did not re-tokenize identically; their rows
             are recomputed as new text instead of reused.
         new_length: N, the new prompt's token count.
@@ -52,20 +56,43 @@ class EditPlan:
     reuse: list[tuple[int, int, int]]
     widened: list[str] = field(default_factory=list)
     new_length: int = 0
+    kept_prefix: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kept_prefix is None:
+            self.kept_prefix = self.exact_prefix
 
     @property
     def suffix_positions(self) -> list[int]:
-        """Sorted new-prompt positions of the stale reused rows (the repairable suffix)."""
-        return [n + k for n, _, length in self.reuse for k in range(length)]
+        """Sorted new-prompt positions of the stale reused rows the allowance is charged on (the
+        repairable suffix s: positions >= kept_prefix)."""
+        return [p for n, _, length in self.reuse for p in range(max(n, self.kept_prefix), n + length)]
 
     @property
     def stale_tokens(self) -> int:
-        return sum(length for _, _, length in self.reuse)
+        """S = len(s)."""
+        return sum(max(0, n + length - max(n, self.kept_prefix)) for n, _, length in self.reuse)
+
+    @property
+    def kept_stale_tokens(self) -> int:
+        """Stale rows [g, k) kept as an earlier repair left them (not refreshed again)."""
+        return self.kept_prefix - self.exact_prefix
+
+    @property
+    def edits_history(self) -> bool:
+        """Whether a held message was deleted, replaced or inserted before (an edit); a request
+        that only appends messages (or resends the same ones) is not one."""
+        return any(op.kind in ("delete", "replace", "insert") for op in self.ops)
+
+    def extends(self, cached_rows: int) -> bool:
+        """Whether the new prompt only appends to the ``cached_rows`` cached rows (or equals
+        them): every cached row is kept in place and nothing stale is to be repaired."""
+        return self.kept_prefix == cached_rows and not self.stale_tokens
 
     @property
     def new_positions(self) -> list[int]:
         """Positions >= g that must be computed because no row exists for them."""
-        reused = set(self.suffix_positions)
+        reused = {n + k for n, _, length in self.reuse for k in range(length)}  # kept stale rows too
         return [p for p in range(self.exact_prefix, self.new_length) if p not in reused]
 
     def count(self, kind: OpKind) -> int:
@@ -82,9 +109,16 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def plan_edits(
-    cached_ids: Sequence[int], old: RenderedPrompt | None, new: RenderedPrompt, exact_rows: int | None = None
+    cached_ids: Sequence[int], old: RenderedPrompt | None, new: RenderedPrompt, exact_rows: int | None = None,
+    kept_rows: int | None = None,
 ) -> EditPlan:
     """Compute the edit plan from the cached state to the ``new`` rendered prompt.
+
+    This edit's suffix s (the paper's: everything after the first edit point) is every reused
+    row after the first token the new prompt changes (f, the common prefix), including rows an
+    earlier repair left stale there (they moved, or now follow changed text). Stale rows before
+    f are unchanged since the repair that paid for them: with ``kept_rows`` they are kept as
+    they are and stay out of S, so a new edit charges its allowance B on its own suffix only.
 
     Args:
         cached_ids: token ids of the cache rows (old prompt, possibly plus generated tokens).
@@ -92,6 +126,9 @@ def plan_edits(
             common prefix).
         new: the rendered new prompt.
         exact_rows: how many leading cached rows are exact (None: all of them).
+        kept_rows: how many leading cached rows need no repair for this request: the exact
+            rows plus stale rows already repaired under a budget the request does not exceed
+            (None: only the exact rows, so every stale row is in the suffix).
 
     Returns:
         EditPlan; rows outside the common prefix are reused only for kept messages whose old
@@ -99,8 +136,9 @@ def plan_edits(
     """
     f = common_prefix_length(cached_ids, new.token_ids)
     g = f if exact_rows is None else min(f, exact_rows)
+    k = g if kept_rows is None else max(g, min(f, kept_rows))
     ops = _message_ops(old, new)
-    reuse = [(g, g, f - g)] if g < f else []  # stale rows already in place
+    reuse = [(g, g, f - g)] if g < f else []  # stale rows already in place ([g, k) kept, the rest in s)
     widened = []
     for op in ops:
         if op.kind != "keep":
@@ -114,7 +152,8 @@ def plan_edits(
         skip = max(0, f - n0)  # the part inside the common prefix is already exact
         if n1 - n0 - skip > 0:
             reuse.append((n0 + skip, o0 + skip, n1 - n0 - skip))
-    return EditPlan(ops=ops, common_prefix=f, exact_prefix=g, reuse=reuse, widened=widened, new_length=len(new))
+    return EditPlan(ops=ops, common_prefix=f, exact_prefix=g, reuse=reuse, widened=widened, new_length=len(new),
+                    kept_prefix=k)
 
 
 def _message_ops(old: RenderedPrompt | None, new: RenderedPrompt) -> list[EditOp]:

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import InputError, InputTypeError
 from .selection import ALLOCATOR_NAMES
@@ -15,6 +15,7 @@ Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
 Executor = Literal["auto", "packed", "sequential", "direct"]
 Backend = Literal["sdpa", "triton"]
 Erase = Literal["none", "strict"]
+Scope = Literal["edits", "always"]
 
 
 class RepairPolicy(BaseModel):
@@ -26,6 +27,13 @@ class RepairPolicy(BaseModel):
     - ``replay``: keep the valid prefix, recompute the whole suffix (refresh at b = 100).
     - ``reprefill``: rebuild the whole prompt from an empty cache.
     - ``dirty``: reference only: ignore deletions/replacements and answer from the unedited cache.
+
+    An operator names what happens on an edit. A request that only appends to the cache (or is
+    identical to it) prefills just its new tokens under every operator, and stale rows an
+    earlier repair left (after ``KVSession.exact_rows``) are kept as they are unless the policy
+    asks for more than they got: a higher budget, or Replay / Re-prefill, which make every row
+    exact. ``scope="always"`` (label ``reprefill:always``, ``reprefill`` only) re-prefills the
+    whole prompt on every call: the baseline benchmarks time.
 
     ``executor`` picks how a sparse refresh is computed (Appendix 13): ``auto`` (default) uses
     the direct sequential executor for one interval and the packed executor for several;
@@ -51,6 +59,7 @@ class RepairPolicy(BaseModel):
     executor: Executor = "auto"
     backend: Backend = "sdpa"
     erase: Erase = "none"
+    scope: Scope = "edits"
 
     @field_validator("budget")
     @classmethod
@@ -69,10 +78,20 @@ class RepairPolicy(BaseModel):
             raise ValueError(f"unknown allocator {value!r}: use one of {', '.join(sorted(ALLOCATOR_NAMES))}")
         return value
 
+    @model_validator(mode="after")
+    def _scope_only_for_reprefill(self) -> "RepairPolicy":
+        if self.scope == "always" and self.operator != "reprefill":
+            raise ValueError(
+                f"scope='always' forces a full Re-prefill on every call and needs operator='reprefill' (got "
+                f"{self.operator!r}): use RepairPolicy(operator='reprefill', scope='always') or the label "
+                "'reprefill:always'"
+            )
+        return self
+
     @classmethod
     def coerce(cls, policy: "RepairPolicy | str") -> "RepairPolicy":
-        """Accept a policy or its label: ``dirty``, ``shift``, ``replay``, ``reprefill`` or
-        ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``).
+        """Accept a policy or its label: ``dirty``, ``shift``, ``replay``, ``reprefill``,
+        ``reprefill:always`` or ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``).
 
         Raises:
             InputTypeError (TypeError): neither a RepairPolicy nor a str.
@@ -84,14 +103,16 @@ class RepairPolicy(BaseModel):
             raise InputTypeError(f"policy must be a RepairPolicy or a label like 'sur@5', got {type(policy).__name__}")
         if policy in ("dirty", "shift", "replay", "reprefill", "refresh"):
             return cls(operator=policy)
+        if policy == "reprefill:always":
+            return cls(operator="reprefill", scope="always")
         allocator, at, budget = policy.partition("@")
         try:
             return cls(operator="refresh", allocator=allocator, budget=float(budget)) if at else cls(allocator=policy)
         except ValueError as exc:
             detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise InputError(
-                f"bad policy label {policy!r} ({detail}): use dirty, shift, replay, reprefill or "
-                "<allocator>@<budget> such as sur@5"
+                f"bad policy label {policy!r} ({detail}): use dirty, shift, replay, reprefill, reprefill:always "
+                "or <allocator>@<budget> such as sur@5"
             ) from exc
 
     @property
@@ -100,8 +121,22 @@ class RepairPolicy(BaseModel):
         return {"shift": 0.0, "replay": 100.0}.get(self.operator, self.budget)
 
     @property
+    def forces_reprefill(self) -> bool:
+        """Whether every call re-prefills the whole prompt (``scope="always"``), edit or not."""
+        return self.scope == "always"
+
+    @property
+    def needs_exact(self) -> bool:
+        """Whether this policy leaves every row exact after a repair (Replay, Re-prefill, b = 100)."""
+        return self.operator in ("replay", "reprefill") or (
+            self.operator in ("refresh", "shift") and self.effective_budget >= 100.0)
+
+    @property
     def label(self) -> str:
-        """Short name: ``dirty``, ``shift``, ``sur@5``, ``bm25@2``, ``replay``, ``reprefill``."""
+        """Short name: ``dirty``, ``shift``, ``sur@5``, ``bm25@2``, ``replay``, ``reprefill``,
+        ``reprefill:always``."""
+        if self.forces_reprefill:
+            return "reprefill:always"
         if self.operator != "refresh":
             return self.operator
         return f"{self.allocator}@{self.budget:g}"
@@ -115,6 +150,9 @@ class RepairReport:
     forwarded through the model (new text + refreshed stale rows); ``refreshed_tokens`` is the
     allowance B spent on stale rows; ``reused_tokens`` rows were served from the live cache.
     ``spans`` are the computed position intervals ``[a, b)``, ``intervals`` their count.
+    ``stale_tokens`` is S, this edit's stale suffix (reused rows after its first edit point, see
+    :func:`kvmemory.edits.plan_edits`); ``kept_stale_tokens`` are rows an earlier repair left
+    stale and already paid for, kept as they were (not refreshed again, still not exact).
     ``latency_ms`` is the whole ``prepare`` call: rendering, planning, selection, Shift, refresh
     and query prefill, up to the first-token distribution. ``replayed_probe_ms`` is the measured
     time of allocation probes reused from :func:`kvmemory.selection.shared_signals` (evaluation
@@ -135,6 +173,7 @@ class RepairReport:
     reused_tokens: int
     recomputed_tokens: int
     stale_tokens: int = 0
+    kept_stale_tokens: int = 0
     refreshed_tokens: int = 0
     shifted_tokens: int = 0
     intervals: int = 0

@@ -44,7 +44,9 @@ class RepairResult:
 class RepairContext:
     """What a repair needs besides the plan: the model and what it can do. ``new_cache`` makes
     the empty cache a Re-prefill fills (default: ``kvcache.new_cache(model.config)``), so that a
-    session on a quantized cache stays on one."""
+    session on a quantized cache stays on one. ``last_logits``: fp32 ``[vocab]`` logits predicting
+    the token after the cache's last row, when the caller knows them (None: unknown); a request
+    identical to the cache then needs no forward at all."""
 
     model: torch.nn.Module
     capabilities: Capabilities
@@ -52,6 +54,7 @@ class RepairContext:
     query_ids: list[int]
     query_text: str
     new_cache: Callable[[], Cache] | None = None
+    last_logits: torch.Tensor | None = None
 
 
 def _ms(t0: float) -> float:
@@ -68,6 +71,16 @@ def repair(
 ) -> RepairResult:
     """Repair ``cache`` (rows for ``cached_ids``; modified or replaced) into the cache of ``new``.
 
+    A request that only appends to the cached rows (``plan.extends``) prefills just its new
+    tokens under every operator but a forced Re-prefill (``scope="always"``); an identical one
+    forwards nothing when ``ctx.last_logits`` are known. Stale rows the plan keeps (``[g, k)``)
+    stay stale and are not refreshed again. ``reprefill`` rebuilds the whole prompt on an edit
+    (a message deleted, replaced or inserted) or when rows are stale; on an exact cache, a
+    request that only appends messages keeps the common token prefix and computes the rest
+    (trailing rows of no message, like a generation prompt, are dropped). Otherwise the
+    request is repaired under ``policy`` (Shift + refresh of B of the S suffix rows, or Replay
+    when B = S).
+
     Falls back to exact recomputation, and says why in ``report.fallback``, when a capability
     gate applies (see ``capabilities.py``): rows that cannot be spliced (sliding windows, mrope,
     a quantized cache) are replayed from the first changed token where that is exact, else
@@ -77,6 +90,9 @@ def repair(
         cache: ``len(cached_ids)`` rows; ``cached_ids`` the token ids they were computed for.
         new: the rendered new prompt (N tokens); ``plan``: ``plan_edits(cached_ids, ..., new)``.
         policy: a RepairPolicy or its label (``"sur@5"``, ``"replay"``, ...).
+
+    Returns:
+        RepairResult; ``exact_rows`` is N only when no stale row is left.
 
     Raises:
         InputError (ValueError): the cache length differs from ``len(cached_ids)``, the plan was
@@ -95,22 +111,29 @@ def repair(
         reused_tokens=0,
         recomputed_tokens=0,
         stale_tokens=plan.stale_tokens,
+        kept_stale_tokens=plan.kept_stale_tokens,
         edits={k: plan.count(k) for k in ("keep", "delete", "replace", "insert", "append") if plan.count(k)},
         widened=list(plan.widened),
     )
     report.capability_notes = list(ctx.capabilities.notes)
-    # any cached row dropped, moved or rewritten? (the last prompt token is always recomputed)
-    spliced = min(plan.exact_prefix, len(new) - 1) < len(cached_ids)
+    # only appended rows (or, for an identical request, known last-row logits): no cached row is
+    # dropped, moved or rewritten, so no capability gate applies
+    extends = plan.extends(len(cached_ids)) and (len(new) > len(cached_ids) or ctx.last_logits is not None)
     cache_gate = cache_unsupported_reason(cache)
     gate = cache_gate or ctx.capabilities.row_reuse_reason
-    if policy.operator == "reprefill" or (spliced and gate):
-        if policy.operator != "reprefill" and not cache_gate and ctx.capabilities.replay_exact(len(cached_ids)):
+    # Re-prefill names what happens on an edit; it also rebuilds a cache whose rows are stale
+    exact_without_edit = not (plan.edits_history or plan.stale_tokens or plan.kept_stale_tokens)
+    if policy.forces_reprefill or (policy.operator == "reprefill" and not exact_without_edit):
+        result = _reprefill(ctx, ids, report)
+    elif extends:
+        result = _extend(ctx, cache, ids, plan, report)
+    elif gate:
+        if not cache_gate and ctx.capabilities.replay_exact(len(cached_ids)):
             result = _replay(ctx.model, cache, ids, plan, report)  # every row it attends to is still held
             report.fallback = f"{gate} [this edit: Replay from token {report.spans[0][0]}]"
         else:
             result = _reprefill(ctx, ids, report)
-            if policy.operator != "reprefill":
-                report.fallback = f"{gate} [this edit: Re-prefill]"
+            report.fallback = f"{gate} [this edit: Re-prefill]"
     else:
         budget = policy.effective_budget
         moved = any(n != o for n, o, _ in plan.reuse)
@@ -151,10 +174,27 @@ def _reprefill(ctx: RepairContext, ids: torch.Tensor, report: RepairReport) -> R
     return RepairResult(cache, out.next_logits, report, ids.shape[0])
 
 
-def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, report: RepairReport) -> RepairResult:
-    """Keep the exact prefix, recompute everything after it (at least the last token, for logits)."""
+def _extend(ctx: RepairContext, cache, ids: torch.Tensor, plan: EditPlan, report: RepairReport) -> RepairResult:
+    """Keep every cached row; prefill only the new tokens (none for an identical request, whose
+    logits ``ctx.last_logits`` are already known). Rows appended after stale rows attend to them,
+    so they are exact only when the whole cache was."""
     t0 = time.perf_counter()
-    start = min(plan.exact_prefix, ids.shape[0] - 1)
+    held, n = kvcache.cache_length(cache), ids.shape[0]
+    if held < n:
+        logits = run_sequential(ctx.model, cache, ids, [(held, n)]).next_logits
+        report.intervals, report.spans, report.executor = 1, [(held, n)], "sequential"
+    else:
+        logits = ctx.last_logits
+    report.reused_tokens, report.recomputed_tokens = held, n - held
+    report.refresh_ms = _ms(t0)
+    return RepairResult(cache, logits, report, n if plan.exact_prefix == held else plan.exact_prefix)
+
+
+def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, report: RepairReport) -> RepairResult:
+    """Keep the kept prefix, recompute everything after it (at least the last token, for logits).
+    The result is exact unless stale rows were kept (``plan.kept_prefix`` > ``exact_prefix``)."""
+    t0 = time.perf_counter()
+    start = min(plan.kept_prefix, ids.shape[0] - 1)
     kvcache.crop_to(cache, start)
     out = run_sequential(model, cache, ids, [(start, ids.shape[0])])
     report.reused_tokens = start
@@ -162,7 +202,8 @@ def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, repor
     report.refreshed_tokens = plan.stale_tokens
     report.intervals, report.spans, report.executor = 1, [(start, ids.shape[0])], "sequential"
     report.refresh_ms = _ms(t0)
-    return RepairResult(cache, out.next_logits, report, ids.shape[0])
+    exact = ids.shape[0] if start <= plan.exact_prefix else plan.exact_prefix
+    return RepairResult(cache, out.next_logits, report, exact)
 
 
 def _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report) -> RepairResult:
@@ -206,9 +247,10 @@ def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
         _rotate_moved_keys(ctx.shifter, shifted, rows)
         return shifted
 
+    # rows before kept_prefix (exact, or stale and already paid for) are context shared by both prompts
     return RepairSignals(
         model=ctx.model, token_ids=new.token_ids, eligible=_eligible(plan), old_ids=cached_ids,
-        dirty_cache=cache, reuse=plan.reuse, exact_prefix=plan.exact_prefix, make_shift_cache=shift_cache,
+        dirty_cache=cache, reuse=plan.reuse, exact_prefix=plan.kept_prefix, make_shift_cache=shift_cache,
         shifter=ctx.shifter,
     )
 

@@ -44,8 +44,10 @@ class KVSession:
     """One conversation's live KV cache.
 
     ``prepare(messages)`` brings the cache to the rendered prompt of ``messages``: an append-only
-    turn prefills only the new tokens; an edit anywhere in the history is repaired under the
-    session's :class:`RepairPolicy` (Shift + budgeted Semantic-Unit Refresh by default).
+    turn prefills only the new tokens (an identical one none); an edit anywhere in the history
+    is repaired under the session's :class:`RepairPolicy` (Shift + budgeted Semantic-Unit
+    Refresh by default). Stale rows a sparse repair leaves (after ``exact_rows``) are repaired
+    once: later requests keep them unless their policy asks for more (``stale_budget``).
     ``generate()`` then decodes from the live cache and keeps the answer's rows.
 
     Invariant: ``token_ids`` (one per cached row) always equal the tokenization of the messages
@@ -94,8 +96,14 @@ class KVSession:
         self.cache = self._new_cache()
         self.token_ids: list[int] = []
         self.exact_rows = 0  # leading rows equal to a Re-prefill; rows after it are stale
+        # budget b (%) the stale rows were repaired under (the smallest, over several edits; 0 when
+        # unknown): a request whose policy asks no more keeps them as they are
+        self.stale_budget = 0.0
         self.rendered: RenderedPrompt | None = None
         self.next_logits: torch.Tensor | None = None
+        # fp32 logits after the last cached row, keyed by _rows_key(): they survive an answer's end
+        # (its end-of-turn token is never cached), so that an identical request needs no forward
+        self._row_logits: tuple[tuple, torch.Tensor] | None = None
         self.last_report: RepairReport | None = None
         self.answer_committed = False  # rendered holds the last answer as a message (no generation prompt)
         self.reforge.reset()
@@ -121,6 +129,7 @@ class KVSession:
         other.cache = kvcache.clone_cache(self.cache)
         other.token_ids = list(self.token_ids)
         other.next_logits = None if self.next_logits is None else self.next_logits.clone()
+        other._row_logits = None if self._row_logits is None else (self._row_logits[0], self._row_logits[1].clone())
         other.reforge = self.reforge.clone()
         other.pending_erasures = list(self.pending_erasures)
         return other
@@ -136,7 +145,8 @@ class KVSession:
             messages: ``[{"role", "content", "id"?}, ...]``; ids let edits be recognised as
                 replacements; without ids, messages match by role and content.
             policy: overrides the session policy for this call: a RepairPolicy or a label such
-                as ``"sur@5"``, ``"shift"``, ``"replay"``, ``"reprefill"``, ``"dirty"``.
+                as ``"sur@5"``, ``"shift"``, ``"replay"``, ``"reprefill"``, ``"dirty"``;
+                ``"reprefill:always"`` re-prefills the whole prompt even without an edit.
 
         Returns:
             RepairReport (tokens reused / recomputed, operator, budget, latency ms, fallback).
@@ -161,7 +171,8 @@ class KVSession:
         new, fallback = self._render(new_messages)
         self._check_fits(len(new))
         old = self.rendered if fallback is None else None
-        plan = plan_edits(self.token_ids, old, new, self.exact_rows)
+        adapter = self._sync_adapter()  # an adapter update first: it may leave rows stale (exact_rows)
+        plan = plan_edits(self.token_ids, old, new, self.exact_rows, self._kept_rows(policy))
         query = new_messages[-1].content
         ctx = RepairContext(
             model=self.model,
@@ -171,8 +182,8 @@ class KVSession:
             query_ids=self.tokenizer(query, add_special_tokens=False)["input_ids"] or list(new.token_ids[-1:]),
             query_text=query,
             new_cache=self._new_cache,
+            last_logits=None if erased else self._logits_after_cache(),
         )
-        adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
         scrubbed = self._overwrite_from(min(plan.exact_prefix, len(new) - 1)) if erased else None
         try:
             with self.reforge.recording() as captures:
@@ -192,10 +203,45 @@ class KVSession:
         report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:
             log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
+        self._record_stale_budget(plan, policy, result.exact_rows, len(new))
         self.cache, self.token_ids, self.rendered = result.cache, list(new.token_ids), new
         self.next_logits, self.exact_rows = result.next_logits, result.exact_rows
+        self._row_logits = (self._rows_key(), result.next_logits)
         self.last_report, self.answer_committed = report, False
         return report
+
+    def _kept_rows(self, policy: RepairPolicy) -> int:
+        """Leading cached rows this request keeps without repair: all of them when the stale rows
+        (after ``exact_rows``) were already repaired under a budget the policy does not exceed
+        (their allowance belonged to the edit that made them stale); only the exact rows when
+        the policy asks for more (a higher budget, or Replay / Re-prefill, which make every row
+        exact), so that the stale rows join this repair's suffix again."""
+        if policy.needs_exact or (policy.operator != "dirty" and policy.effective_budget > self.stale_budget):
+            return self.exact_rows
+        return len(self.token_ids)
+
+    def _record_stale_budget(self, plan, policy: RepairPolicy, exact_rows: int, rows: int) -> None:
+        """Remember the budget the stale rows are now repaired under: this policy's when it
+        charged an allowance (on its own suffix, or on every stale row); unchanged when stale rows
+        were only kept."""
+        if exact_rows >= rows:
+            self.stale_budget = 0.0
+        elif plan.stale_tokens or not plan.kept_stale_tokens:
+            self.stale_budget = policy.effective_budget
+
+    def _logits_after_cache(self) -> torch.Tensor | None:
+        """fp32 ``[vocab]`` logits predicting the token after the last cached row, when known:
+        the pending ``next_logits``, or those kept when the last answer ended."""
+        if self.next_logits is not None:
+            return self.next_logits
+        if self._row_logits is not None and self._row_logits[0] == self._rows_key():
+            return self._row_logits[1]
+        return None
+
+    def _rows_key(self) -> tuple:
+        """Changes whenever the cached rows may have: their count, and the adapter versions
+        CacheReforge records (its maintenance rewrites rows and only updates ``next_logits``)."""
+        return len(self.token_ids), self.reforge.logits_version, tuple(self.reforge.anchors.layer_versions)
 
     def _render(self, messages: list[ChatMessage], previous="session") -> tuple[RenderedPrompt, str | None]:
         """Render with segments; on a template that rewrites history, tokens only (+ the reason)."""
@@ -379,6 +425,7 @@ class KVSession:
         with self.reforge.recording() as captures:
             logits = forward_rows(self.model, self.cache, ids, start)
         self.reforge.commit(captures, None, start + ids.shape[0], False, adapter)
+        self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits)
         return logits
 
     def _sync_adapter(self):

@@ -113,7 +113,9 @@ def run_case(session: KVSession, case: EvalCase, settings: dict) -> dict:
     session.reset()
     dirty_tokens = session.prepare(case.dirty_messages()).prompt_tokens
     edited = case.edited_messages()
-    policies = [(name, RepairPolicy(operator=name)) for name in REFERENCES]
+    # the Re-prefill reference rebuilds the whole edited prompt whatever the edit (forced form)
+    policies = [(name, RepairPolicy(operator=name, scope="always" if name == "reprefill" else "edits"))
+                for name in REFERENCES]
     policies += [
         (f"{a}@{b:g}", RepairPolicy(operator="refresh", allocator=a, budget=b, seed=settings["seed"]))
         for b in settings["budgets"]
