@@ -155,6 +155,15 @@ def test_chat_template_output_equals_gguf_reference(tokenizer, reference):
             assert rendered.text[seg.content_start : seg.content_end] == msg.content
 
 
+def test_unknown_gguf_pre_tokenizer_is_refused_not_guessed(monkeypatch):
+    import kvmemory.tokenizer
+    from kvmemory import ModelNotFoundError
+
+    monkeypatch.setattr(kvmemory.tokenizer, "gguf_pre_tokenizer_type", lambda gguf: "some-new-type")
+    with pytest.raises(ModelNotFoundError, match="'some-new-type'.*--model PATH"):
+        kvmemory.tokenizer.tokenizer_from_gguf(embedded_gguf_path())
+
+
 # --------------------------------------------------------------- cache folder upgrade
 # The pre-tokenizer transformers' GGUF converter writes for SmolLM2 (no per-digit split). It is
 # the only difference between the tokenizer files of an older conversion and a current one
