@@ -110,8 +110,10 @@ class KVSession:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held for this conversation: K/V rows plus CacheReforge's retained boundary states
-        (hidden states ``[1, N, hidden]`` per restart layer; 0 without LoRA layers)."""
+        """Bytes held for this conversation: the cache's storage (K/V rows; for a quantized cache
+        its packed payload, scales and residual buffer, see :func:`kvcache.cache_nbytes`) plus
+        CacheReforge's retained boundary states (hidden states ``[1, N, hidden]`` per restart
+        layer; 0 without LoRA layers)."""
         return kvcache.cache_nbytes(self.cache) + self.reforge.boundary_bytes
 
     def fork(self) -> "KVSession":
@@ -230,11 +232,10 @@ class KVSession:
     def _overwrite_from(self, start: int) -> dict[str, int]:
         """Zero the cached K/V rows ``[start, N)`` and the retained CacheReforge boundary rows
         from ``start`` in place, so no copy of a state derived from erased text stays in memory
-        (the repair then recomputes them). Returns the row counts overwritten."""
-        rows = max(0, kvcache.cache_length(self.cache) - start)
-        for keys, values in kvcache.layer_tensors(self.cache):
-            keys[:, :, start:].zero_()
-            values[:, :, start:].zero_()
+        (the repair then recomputes them). A cache whose rows are not plain tensors (quantized)
+        is zeroed whole; the repair's cache gate then re-prefills it into a fresh cache of the
+        same kind and reports that in ``RepairReport.fallback``. Returns the row counts overwritten."""
+        rows = kvcache.overwrite_rows_from(self.cache, start)
         return {"rows_overwritten": rows, "boundary_rows_overwritten": self.reforge.overwrite_rows_from(start)}
 
     def _dirty_messages(self, new_messages: list[ChatMessage]) -> list[ChatMessage]:
