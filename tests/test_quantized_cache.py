@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache, QuantizedLayer
 
 from kvmemory import kvcache
 from kvmemory.execution import forward_rows
+from kvmemory.invariants import memory_violations
 from kvmemory.reforge.state import ReforgeConfig
 from kvmemory.session import KVSession
 from support import QUERY, history, tiny_model, without
@@ -158,6 +159,7 @@ def test_memory_bytes_counts_the_fp8_payload(llama, tokenizer):
     scales = cfg.num_hidden_layers * 2 * 4  # one fp32 scale per layer for K and for V
     assert s.memory_bytes == elements * 1 + scales  # 1 byte per fp8 element
     assert plain.memory_bytes == elements * 4 and s.memory_bytes < plain.memory_bytes / 3.9
+    assert memory_violations(s) == []  # invariant (c) counts the same storage
 
 
 def test_memory_bytes_counts_payload_and_residual_buffer(llama, tokenizer):
@@ -171,7 +173,7 @@ def test_memory_bytes_counts_payload_and_residual_buffer(llama, tokenizer):
         residual = layer.keys.shape[-2]
         assert 0 < residual < n
         expected += 2 * ((n - residual) * per_row * 1 + 4 + residual * per_row * 4)  # int8 + scale, fp32 rows
-    assert s.memory_bytes == expected > 0
+    assert s.memory_bytes == expected > 0 and memory_violations(s) == []
 
 
 def test_rows_are_never_cropped_from_a_quantized_cache(llama, tokenizer):
