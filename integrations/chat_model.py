@@ -40,7 +40,7 @@ from kvmemory.guard import FidelityGuard, GuardConfig
 from kvmemory.errors import InputError, InputTypeError, MessageError
 from kvmemory.models import LoadedModel, load_model
 from kvmemory.policy import RepairPolicy
-from kvmemory.prompt import normalize_messages
+from kvmemory.prompt import normalize_messages, render_text
 from kvmemory.threads import ThreadCaches
 
 from .constrained import Grammars, processor
@@ -323,7 +323,7 @@ class ChatKVMemory(BaseChatModel):
             choice = "required"
         grammar = self._grammar(runtime, tools, choice, kwargs.get("response_format"))
         response_format = kwargs.get("response_format") or {}
-        session_messages = to_session_messages(messages, tools, runtime.template_tools, response_format.get("schema"))
+        session_messages = to_session_messages(messages, runtime.template_tools, response_format.get("schema"))
         stops = [s for s in (stop if stop is not None else self.stop) or [] if s]
         max_tokens = int(kwargs.get("max_tokens") or self.max_tokens)
         timeout = kwargs.get("timeout", self.timeout)
@@ -331,11 +331,10 @@ class ChatKVMemory(BaseChatModel):
         if run_manager is not None and (run_manager.metadata or {}).get("lc_source") == "summarization":
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
         registry = self.threads_for(model_name)
-        template_tools = tools if runtime.template_tools else None
-        reserve = (_prompt_tokens(runtime, session_messages, template_tools) + max_tokens + RESERVE_SLACK
+        reserve = (_prompt_tokens(runtime, session_messages, tools) + max_tokens + RESERVE_SLACK
                    if registry.memory_budget_bytes is not None else 0)
         with registry.lease(thread_id, reserve_tokens=reserve) as session:
-            session.tools = template_tools
+            session.tools = tools  # the session renders them: through the template or folded (kvmemory.prompt)
             guard = self.guard_for(model_name)
             policy = RepairPolicy.coerce(kwargs.get("repair_policy") or session.policy)
             if guard is not None:
@@ -602,9 +601,7 @@ def _prompt_tokens(runtime: _Runtime, session_messages, tools) -> int:
     """Tokens of the rendered prompt: the rows the thread's cache holds once prepared (so the call
     can reserve its share of the memory budget before it runs). Raises what rendering raises."""
     tokenizer = runtime.loaded.tokenizer
-    messages = normalize_messages(session_messages)
-    text = tokenizer.apply_chat_template([m.template_dict() for m in messages], tools=tools, tokenize=False,
-                                         add_generation_prompt=True)
+    text = render_text(tokenizer, normalize_messages(session_messages), tools=tools)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

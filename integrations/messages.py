@@ -1,5 +1,6 @@
-"""LangChain messages -> kvmemory message dicts (role, content, id), tools folded in when the
-chat template cannot render them.
+"""LangChain messages -> kvmemory message dicts (role, content, id). Tools are not folded in
+here: the session renders them (``kvmemory.prompt.render_text``), through the chat template or
+folded into the system message.
 
 Message ids are kept, so an edited message (same id, new content: a cleared tool output, a
 summary) reaches the session as a replacement in the middle and is repaired, not re-prefilled.
@@ -13,7 +14,7 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, System
 
 from kvmemory.errors import MessageError
 
-from .tool_calls import DEFAULT_SYSTEM, format_call, schema_block, tools_block
+from .tool_calls import DEFAULT_SYSTEM, format_call, schema_block
 
 TOOLS_SYSTEM_ID = "kvmemory:tools-system"
 
@@ -50,27 +51,25 @@ def text_of(message: BaseMessage) -> str:
 
 
 def to_session_messages(
-    messages: Sequence[BaseMessage], tools: list[dict[str, Any]] | None, template_tools: bool,
-    schema: dict[str, Any] | None = None,
+    messages: Sequence[BaseMessage], template_tools: bool, schema: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Convert a LangChain history for ``KVSession.prepare``.
+    """Convert a LangChain history for ``KVSession.prepare`` (the tools go to ``session.tools``).
 
     Args:
         messages: system / human / AI / tool messages (any order the agent produced).
-        tools: OpenAI-format tools bound to this call, or None.
         template_tools: the chat template renders ``tools`` itself (then tool calls travel as
-            ``tool_calls`` fields); otherwise the tool list is appended to the (first) system
-            message and tool calls are written into the assistant content.
+            ``tool_calls`` fields); otherwise tool calls are written into the assistant content
+            in the format the folded tools block asks for.
         schema: JSON schema the answer must follow (structured output); described in the
-            system message so the model knows what the grammar will hold it to.
+            system message so the model knows what the grammar will hold it to (the session
+            folds a tools block, if any, after it).
 
     Raises:
         UnsupportedContentError: non-text content. ValueError: an unknown message type.
     """
     out = [_convert(m, template_tools) for m in messages]
-    blocks = ([tools_block(tools)] if tools and not template_tools else []) + ([schema_block(schema)] if schema else [])
-    if blocks:
-        block = "\n\n".join(blocks)
+    if schema:
+        block = schema_block(schema)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
         else:

@@ -1,9 +1,11 @@
-"""How tools reach the prompt and how tool calls come back out of the model's text.
+"""How tool calls come back out of the model's text (tools reach the prompt through the session:
+``kvmemory.prompt.render_text``).
 
 Models whose chat template renders ``tools`` get them through the template. Templates that ignore
-tools (ChatML, as in the embedded SmolLM2) get a tools block appended to the system message, and
-an assistant turn's tool calls are written into its content in the same ``<tool_call>`` format
-the model is asked (and, with constrained decoding, forced) to produce::
+tools (ChatML, as in the embedded SmolLM2) get a tools block appended to the system message
+(``kvmemory.prompt.fold_tools``), and an assistant turn's tool calls are written into its content
+in the same ``<tool_call>`` format the model is asked (and, with constrained decoding, forced) to
+produce::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"location": "Paris"}}
@@ -17,32 +19,11 @@ import re
 import uuid
 from typing import Any
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+from kvmemory.prompt import CALL_CLOSE, CALL_OPEN, DEFAULT_SYSTEM, template_renders_tools, tools_block
+
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "DEFAULT_SYSTEM", "format_call", "new_call_id", "schema_block", "split_calls",
+           "template_renders_tools", "tools_block"]
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
-DEFAULT_SYSTEM = "You are a helpful assistant."
-
-
-def template_renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template uses a ``tools`` variable (else kvmemory folds the
-    tool list into the system message)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):
-        template = " ".join(template.values())
-    return "tools" in template
-
-
-def tools_block(tools: list[dict[str, Any]]) -> str:
-    """The tools section appended to the system message for templates without tool support.
-
-    Args:
-        tools: OpenAI-format tools ``{"type": "function", "function": {name, description, parameters}}``.
-    """
-    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    return (
-        "You can call these tools:\n<tools>\n" + listing + "\n</tools>\n"
-        "To call a tool, reply with only:\n" + CALL_OPEN + '\n{"name": <tool name>, "arguments": '
-        "<arguments as a JSON object>}\n" + CALL_CLOSE + "\nOtherwise answer normally."
-    )
 
 
 def schema_block(schema: dict[str, Any]) -> str:

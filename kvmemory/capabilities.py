@@ -15,7 +15,9 @@ reported (``RepairReport.fallback``, ``response_metadata["repair"]["fallback"]``
   angles depend on the sequence length), so Replay; ``dynamic`` past ``max_position_embeddings``
   rescales every earlier key, so only Re-prefill is exact there.
 - caches whose layers are not plain tensors (transformers ``QuantizedCache``: quanto, hqq, fp8):
-  rows cannot be deleted, moved or rewritten, so an edit re-prefills into a fresh cache.
+  rows cannot be deleted, moved or rewritten, so an edit, a strict erase and a CacheReforge
+  maintenance step all re-prefill into a fresh cache of the same kind (the session's
+  ``cache_factory``).
 - mixture-of-experts: nothing to refuse for rows (experts are token-local), but the packed
   executor does not run them: the sequential executors do (reported as a note).
 """
@@ -25,8 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
+from .kvcache import PLAIN_LAYERS
 from .positions import shift_unsupported_reason
 
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -115,13 +116,13 @@ def cache_unsupported_reason(cache) -> str | None:
     A quantized layer (``QuantizedCache`` with the quanto, hqq or fp8 backend) keeps most rows
     in a packed form that ``keys`` does not show, so splicing ``keys`` would silently lose them.
     """
-    plain = (DynamicLayer, DynamicSlidingWindowLayer)
-    odd = sorted({type(layer).__name__ for layer in getattr(cache, "layers", []) if type(layer) not in plain})
+    odd = sorted({type(layer).__name__ for layer in getattr(cache, "layers", []) if type(layer) not in PLAIN_LAYERS})
     if not odd:
         return None
     return (
         f"the cache has {', '.join(odd)} layers, whose rows are not plain K/V tensors (e.g. quantized), so they "
-        f"cannot be deleted, shifted or rewritten; {EXACT} (Re-prefill into a fresh cache of the same kind)"
+        "cannot be deleted, shifted or rewritten in place; kvmemory recomputes them exactly after an edit, a strict "
+        "erase or an adapter update (Re-prefill into a fresh cache of the same kind)"
     )
 
 

@@ -174,8 +174,9 @@ def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def session_tensors(session) -> list[torch.Tensor]:
-    """The K/V tensors of every layer plus CacheReforge's retained boundary states."""
-    tensors = [t for kv in kvcache.layer_tensors(session.cache) for t in kv]
+    """The tensors every cache layer holds (K/V; a quantized layer's payload, scales and residual
+    buffer) plus CacheReforge's retained boundary states."""
+    tensors = [t for layer in session.cache.layers for t in kvcache.held_tensors(layer)]
     return tensors + [b.hidden for b in session.reforge.boundaries.states.values()]
 
 
@@ -183,7 +184,7 @@ def memory_violations(session) -> list[str]:
     """(c) ``session.memory_bytes`` equals the bytes its K/V and boundary-state tensors hold."""
     held = held_bytes(session_tensors(session))
     if session.memory_bytes != held:
-        kv = held_bytes(t for kv in kvcache.layer_tensors(session.cache) for t in kv)
+        kv = held_bytes(t for layer in session.cache.layers for t in kvcache.held_tensors(layer))
         return [f"(c) memory_bytes reports {session.memory_bytes} B, the session holds {held} B "
                 f"(K/V storages {kv} B, CacheReforge boundary states {session.reforge.boundary_bytes} B)"]
     return []

@@ -2,15 +2,25 @@
 
 Every layer holds ``keys`` / ``values`` of shape ``[batch, kv_heads, seq, head_dim]``
 (``cache.layers[i].keys``). kvmemory only ever uses batch 1 and full-attention layers.
+
+Caches whose layers are not plain tensor layers (``QuantizedCache``: its rows live packed in a
+backend-specific payload that ``keys`` does not show) are never spliced (see
+``capabilities.cache_unsupported_reason``); only the whole-cache helpers here accept them:
+:func:`cache_length`, :func:`clone_cache`, :func:`cache_nbytes`, :func:`overwrite_rows_from`
+and a no-op :func:`crop_to`.
 """
 
 from __future__ import annotations
 
 import copy
 
+from typing import Any, Iterator
+
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)  # every row a plain row of keys / values
 
 
 def new_cache(config) -> DynamicCache:
@@ -48,10 +58,21 @@ def prefix_copy(cache: DynamicCache, length: int) -> DynamicCache:
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:
-    """Drop rows ``[length, seq)`` in place (public ``crop`` takes a negative count)."""
+    """Drop rows ``[length, seq)`` in place (public ``crop`` takes a negative count).
+
+    Raises:
+        ValueError: rows would be dropped from a layer transformers marks not croppable (a
+            quantized layer would crop only its residual buffer and keep the rows counted):
+            recompute into a fresh cache instead.
+    """
     extra = cache_length(cache) - length
-    if extra > 0:
-        cache.crop(-extra)
+    if extra <= 0:
+        return
+    stuck = sorted({type(layer).__name__ for layer in cache.layers if not getattr(layer, "is_croppable", True)})
+    if stuck:
+        raise ValueError(f"cannot drop {extra} rows from a cache with {', '.join(stuck)} layers (not croppable): "
+                         "re-prefill into a fresh cache of the same kind instead")
+    cache.crop(-extra)
 
 
 def gather_rows(cache: DynamicCache, rows: torch.Tensor) -> DynamicCache:
@@ -81,8 +102,62 @@ def write_rows(cache: DynamicCache, start: int, source: DynamicCache, source_sta
         dst.values[:, :, start : start + length] = src.values[:, :, source_start : source_start + length]
 
 
+def held_tensors(layer) -> list[torch.Tensor]:
+    """The tensors a cache layer holds: ``keys`` / ``values`` for a plain layer; for any other
+    layer (quantized: packed payload, scales, zero points, residual buffer) every tensor reachable
+    from its attributes, tensor subclasses (e.g. quanto's) opened through the public
+    ``__tensor_flatten__`` protocol, each storage once. Layers not written yet hold none."""
+    if type(layer) in PLAIN_LAYERS:
+        return [t for t in (layer.keys, layer.values) if t is not None]
+    seen: set[int] = set()
+    return [t for t in _tensors_in(vars(layer)) if not (id(t) in seen or seen.add(id(t)))]
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            names, _ = value.__tensor_flatten__()
+            for name in names:
+                yield from _tensors_in(getattr(value, name))
+        else:
+            yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+
+
 def cache_nbytes(cache: DynamicCache) -> int:
-    """Bytes held by the cache's K/V tensors. Layers not written yet (a new cache, or one a forward
-    pass in another thread is filling right now) hold none."""
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
-               for k, v in layer_tensors(cache) if k is not None and v is not None)
+    """Bytes the cache's layers hold (``numel * element_size`` of :func:`held_tensors`).
+
+    Plain layers: their K/V tensors. Quantized layers (``QuantizedCache``): the storage they
+    really hold, counted from their tensors rather than from ``keys`` (which shows only the
+    full-precision residual buffer, or nothing for fp8): the packed payload, its scales / zero
+    points and the residual buffer. Layers not written yet (a new cache, or one a forward pass in
+    another thread is filling right now) hold none.
+    """
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in held_tensors(layer))
+
+
+def overwrite_rows_from(cache: DynamicCache, start: int) -> int:
+    """Zero the cache's rows ``[start, N)`` in place, in the storage itself (strict erase: no copy
+    of a state derived from erased text may stay in memory), and return the rows overwritten.
+
+    A plain layer has rows ``[start, N)`` of its keys / values zeroed. A layer whose rows are not
+    plain tensors (quantized: rows packed together) cannot be zeroed row by row, so every tensor
+    it holds is zeroed, i.e. all N rows: the caller must recompute the cache from row 0 (the
+    repair's cache gate re-prefills such a cache into a fresh one anyway).
+    """
+    rows = cache_length(cache)
+    whole = any(type(layer) not in PLAIN_LAYERS for layer in cache.layers)
+    with torch.no_grad():
+        for layer in cache.layers:
+            if type(layer) in PLAIN_LAYERS:
+                for t in held_tensors(layer):
+                    t[:, :, start:].zero_()
+            else:
+                for t in held_tensors(layer):
+                    t.zero_()
+    return rows if whole else max(0, rows - start)

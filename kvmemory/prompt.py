@@ -4,6 +4,11 @@ The segment table maps every message (by key = its id, plus a content hash) to i
 the rendered prompt. Spans come from rendering growing prefixes of the message list: the text a
 message adds is its segment, and each token belongs to the segment holding the midpoint of its
 character span.
+
+Tools (:func:`render_text`, used for every rendering): a chat template that uses a ``tools``
+variable renders them itself; for one that ignores tools (ChatML, as in the embedded SmolLM2)
+they are folded into the system message in one format (:func:`fold_tools`), so a model sees its
+tools whichever template it has.
 """
 
 from __future__ import annotations
@@ -12,11 +17,16 @@ import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from .errors import MessageError
+from jinja2 import TemplateError as JinjaTemplateError
+from transformers.utils import get_json_schema
+
+from .errors import InputError, InputTypeError, MessageError
 
 ROLES = ("system", "user", "assistant", "tool")
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 class TemplateError(ValueError):
@@ -170,13 +180,105 @@ class RenderedPrompt:
         return len(self.token_ids)
 
 
-def _render(tokenizer, messages: Sequence[ChatMessage], generation_prompt: bool, tools) -> str:
-    return tokenizer.apply_chat_template(
-        [m.template_dict() for m in messages],
-        tools=tools,
-        tokenize=False,
-        add_generation_prompt=generation_prompt,
+# ------------------------------------------------------------------ tools
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template uses a ``tools`` variable (else tools are folded
+    into the system message, see :func:`fold_tools`)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return "tools" in template
+
+
+def normalize_tools(tools: Sequence[Mapping[str, Any] | Callable] | None) -> list[dict[str, Any]] | None:
+    """Check ``tools`` and give each as an OpenAI-format dict ``{"type": "function", "function":
+    {"name", "description", "parameters"}}``; a Python function (typed, with a Google-style
+    docstring) is converted by ``transformers.utils.get_json_schema``. None or ``[]``: None.
+
+    Raises:
+        InputTypeError: ``tools`` is not a list (e.g. one tool or a string).
+        InputError: an item is neither such a dict nor a convertible function.
+    """
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InputTypeError(f"tools must be a list of tools (got {type(tools).__name__}): wrap it, e.g. [tool]")
+    out = []
+    for i, tool in enumerate(tools):
+        if callable(tool) and not isinstance(tool, Mapping):
+            try:
+                tool = get_json_schema(tool)
+            except Exception as exc:  # transformers raises its own TypeErrors / ValueErrors
+                raise InputError(f"tool {i} ({getattr(tool, '__name__', tool)!r}) cannot be described: {exc}") from exc
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InputError(
+                f"tool {i} is not an OpenAI-format tool: pass {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                '"description": ..., "parameters": {...}}}, a typed Python function with a docstring, or convert it '
+                "with langchain_core.utils.function_calling.convert_to_openai_tool"
+            )
+        out.append(dict(tool))
+    return out or None
+
+
+def tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
+    """The tools section appended to the system message for templates without tool support.
+
+    Args:
+        tools: OpenAI-format tools (see :func:`normalize_tools`).
+    """
+    listing = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return (
+        "You can call these tools:\n<tools>\n" + listing + "\n</tools>\n"
+        "To call a tool, reply with only:\n" + CALL_OPEN + '\n{"name": <tool name>, "arguments": '
+        "<arguments as a JSON object>}\n" + CALL_CLOSE + "\nOtherwise answer normally."
     )
+
+
+def fold_tools(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The template message dicts with the tools folded in, for templates without tool support:
+    ``"\n\n" + tools_block(tools)`` appended to the first message when it is a system message,
+    else a system message ``DEFAULT_SYSTEM + "\n\n" + tools_block(tools)`` put first. The
+    messages themselves are not changed (so their keys and content hashes stay the caller's)."""
+    block = tools_block(tools)
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + block}] + messages[1:]
+    return [{"role": "system", "content": DEFAULT_SYSTEM + "\n\n" + block}] + messages
+
+
+def render_text(
+    tokenizer, messages: Sequence[ChatMessage], *, tools=None, generation_prompt: bool = True
+) -> str:
+    """The prompt text of ``messages`` through the chat template, tools included: passed to the
+    template when it renders ``tools`` (:func:`template_renders_tools`), folded into the system
+    message otherwise (:func:`fold_tools`). Every rendering of a session goes through here.
+
+    Args:
+        tools: OpenAI-format tools or functions (see :func:`normalize_tools`), or None.
+
+    Raises:
+        InputTypeError / InputError: malformed ``tools``.
+        InputError: the template renders no tools and rejects the system message they are
+            folded into.
+    """
+    tools = normalize_tools(tools)
+    dicts = [m.template_dict() for m in messages]
+    folded = bool(tools) and not template_renders_tools(tokenizer)
+    if folded:
+        dicts, tools = fold_tools(dicts, tools), None
+    try:
+        return tokenizer.apply_chat_template(dicts, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+    except JinjaTemplateError as exc:
+        if not folded:
+            raise
+        raise InputError(
+            f"the chat template renders no tools and rejects the system message kvmemory folds them into ({exc}): "
+            "use a chat template with tool support, or describe the tools in a message yourself and pass tools=None"
+        ) from exc
+
+
+def _render(tokenizer, messages: Sequence[ChatMessage], generation_prompt: bool, tools) -> str:
+    return render_text(tokenizer, messages, tools=tools, generation_prompt=generation_prompt)
 
 
 def render_prompt(
@@ -189,6 +291,10 @@ def render_prompt(
 ) -> RenderedPrompt:
     """Render ``messages`` with the tokenizer's chat template and build the segment table.
 
+    ``tools`` reach the prompt as :func:`render_text` says (through the template, or folded into
+    the system message, whose segment then holds them; a system message put first for them
+    belongs to message 0's segment).
+
     Message boundaries come from rendering growing prefixes of the list. With ``previous`` (the
     last rendering of this conversation), the boundaries of an unchanged leading and trailing
     run of messages are taken from it when the text there is unchanged, so an append-only turn
@@ -200,6 +306,7 @@ def render_prompt(
     Raises:
         TemplateError: rendering a prefix of the list is not a prefix of the full rendering
             (the template rewrites earlier messages), so message spans are not stable.
+        InputTypeError / InputError: malformed ``tools``, or tools a template cannot take.
     """
     text = _render(tokenizer, messages, generation_prompt, tools)
     bounds = _message_bounds(tokenizer, messages, text, tools, previous)

@@ -18,7 +18,9 @@ from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMes
 from .execution import forward_rows
 from .policy import RepairPolicy, RepairReport
 from .positions import RotaryShifter, ShiftUnsupportedError
-from .prompt import ChatMessage, RenderedPrompt, TemplateError, normalize_messages, render_prompt
+from .prompt import (
+    ChatMessage, RenderedPrompt, TemplateError, normalize_messages, normalize_tools, render_prompt, render_text,
+)
 from .reforge.state import ReforgeConfig, ReforgeState, source_rows
 from .repair import RepairContext, repair
 
@@ -60,8 +62,10 @@ class KVSession:
     ):
         """Args:
             model: a transformers causal LM (eval mode); tokenizer: its tokenizer, with a chat template.
-            policy: RepairPolicy or label (``"sur@5"`` default). ``tools``: OpenAI-format tools
-            for the chat template. ``reforge``: CacheReforge settings.
+            policy: RepairPolicy or label (``"sur@5"`` default). ``reforge``: CacheReforge settings.
+            tools: OpenAI-format tools (or typed Python functions with docstrings) the prompt
+                offers: rendered by the chat template when it uses ``tools``, otherwise folded
+                into the system message (``prompt.render_text``). Settable later (``session.tools``).
             cache_factory: ``config -> Cache`` for the empty cache (default: a DynamicCache laid
                 out for the config), e.g. ``lambda c: QuantizedCache("fp8", c)``. A cache whose
                 layers are not plain tensors is never spliced: edits re-prefill (reported).
@@ -69,6 +73,7 @@ class KVSession:
         Raises:
             InputTypeError: ``model`` has no transformers config or ``tokenizer`` cannot render chats.
             InputError: the tokenizer has no chat template (base models), or a bad policy label.
+            InputTypeError / InputError: malformed ``tools`` (see ``prompt.normalize_tools``).
         """
         _check_model_and_tokenizer(model, tokenizer)
         self.model = model
@@ -83,6 +88,15 @@ class KVSession:
         self.reforge = ReforgeState(model, reforge)
         self.pending_erasures: list[str] = []  # ids strictly erased here, not yet purged from a store
         self.reset()
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """The OpenAI-format tools every rendering of this conversation offers (None: none)."""
+        return self._tools
+
+    @tools.setter
+    def tools(self, tools) -> None:
+        self._tools = normalize_tools(tools)
 
     def _make_shifter(self) -> RotaryShifter | None:
         try:
@@ -118,8 +132,10 @@ class KVSession:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held for this conversation: K/V rows plus CacheReforge's retained boundary states
-        (hidden states ``[1, N, hidden]`` per restart layer; 0 without LoRA layers)."""
+        """Bytes held for this conversation: the cache's storage (K/V rows; for a quantized cache
+        its packed payload, scales and residual buffer, see :func:`kvcache.cache_nbytes`) plus
+        CacheReforge's retained boundary states (hidden states ``[1, N, hidden]`` per restart
+        layer; 0 without LoRA layers)."""
         return kvcache.cache_nbytes(self.cache) + self.reforge.boundary_bytes
 
     def fork(self) -> "KVSession":
@@ -250,9 +266,7 @@ class KVSession:
             return render_prompt(self.tokenizer, messages, tools=self.tools, previous=previous), None
         except TemplateError as exc:
             # No stable message spans: reuse only the exact common token prefix.
-            text = self.tokenizer.apply_chat_template(
-                [m.template_dict() for m in messages], tools=self.tools, tokenize=False, add_generation_prompt=True
-            )
+            text = render_text(self.tokenizer, messages, tools=self.tools)
             enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
             rendered = RenderedPrompt(
                 tuple(messages), text, tuple(enc["input_ids"]), tuple(map(tuple, enc["offset_mapping"])), ()
@@ -276,11 +290,10 @@ class KVSession:
     def _overwrite_from(self, start: int) -> dict[str, int]:
         """Zero the cached K/V rows ``[start, N)`` and the retained CacheReforge boundary rows
         from ``start`` in place, so no copy of a state derived from erased text stays in memory
-        (the repair then recomputes them). Returns the row counts overwritten."""
-        rows = max(0, kvcache.cache_length(self.cache) - start)
-        for keys, values in kvcache.layer_tensors(self.cache):
-            keys[:, :, start:].zero_()
-            values[:, :, start:].zero_()
+        (the repair then recomputes them). A cache whose rows are not plain tensors (quantized)
+        is zeroed whole; the repair's cache gate then re-prefills it into a fresh cache of the
+        same kind and reports that in ``RepairReport.fallback``. Returns the row counts overwritten."""
+        rows = kvcache.overwrite_rows_from(self.cache, start)
         return {"rows_overwritten": rows, "boundary_rows_overwritten": self.reforge.overwrite_rows_from(start)}
 
     def _dirty_messages(self, new_messages: list[ChatMessage]) -> list[ChatMessage]:

@@ -169,15 +169,16 @@ def test_grammar_caps_only_unbounded_strings():
     assert capped["c"]["maxLength"] == 3 and "maxLength" not in schema["properties"]["a"]  # input untouched
 
 
-def test_messages_fold_tools_into_the_system_message_and_reject_images():
-    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {}}}]
-    out = to_session_messages([HumanMessage("hi", id="h")], tools, template_tools=False)
-    assert out[0]["role"] == "system" and '"name": "f"' in out[0]["content"] and out[1]["id"] == "h"
+def test_messages_leave_tools_to_the_session_and_reject_images():
+    out = to_session_messages([HumanMessage("hi", id="h")], template_tools=False)
+    assert out == [{"role": "user", "content": "hi", "id": "h"}]  # the session folds tools (prompt.render_text)
+    schema = to_session_messages([HumanMessage("hi", id="h")], False, {"type": "object"})
+    assert schema[0]["role"] == "system" and "JSON schema" in schema[0]["content"]
     ai = AIMessage("", tool_calls=[{"name": "f", "args": {"x": 1}, "id": "c"}])
-    assert to_session_messages([ai], None, False)[0]["content"] == format_call("f", {"x": 1})
+    assert to_session_messages([ai], False)[0]["content"] == format_call("f", {"x": 1})
     image = HumanMessage(content=[{"type": "image", "url": "https://example.com/a.png"}])
     with pytest.raises(UnsupportedContentError, match="text only"):
-        to_session_messages([image], None, False)
+        to_session_messages([image], False)
 
 
 # ------------------------------------------------------------------ the embedded model

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import kvcache
+from ..capabilities import cache_unsupported_reason
 from ..execution import forward_rows
 from .profile import ReforgeProfile
 from .recovery import decoder_of, embed, overwrite_layers, run_layers
@@ -59,7 +60,8 @@ class ReforgeReport:
     ``reanchored``: layers found exactly valid and re-anchored without compute; ``ms``: wall
     time (ms) of the whole step, of which ``request_ms`` recomputed the last row (the pending
     request's first token) and the rest is cache maintenance; ``mixed``: the cache mixes adapter
-    versions afterwards."""
+    versions afterwards; ``fallback``: why every layer was re-prefilled instead of the chosen
+    range (a capability gate: sliding windows, a quantized cache), None otherwise."""
 
     adapter_version: str | None
     policy: str
@@ -76,6 +78,7 @@ class ReforgeReport:
     ms: float = 0.0
     request_ms: float = 0.0
     note: str | None = None
+    fallback: str | None = None
 
     @property
     def maintenance_ms(self) -> float:
@@ -118,6 +121,7 @@ class ReforgeState:
         self.boundaries = BoundaryStore(tuple(sorted({x for x in layers if x > 0})))
         self.logits_version: str | None = None  # adapter digest the last cached row was computed under
         self.last_report: ReforgeReport | None = None
+        self._fallback: str | None = None  # set by _reprefill, reported by the next _report
 
     def clone(self) -> "ReforgeState":
         other = object.__new__(ReforgeState)
@@ -195,6 +199,7 @@ class ReforgeState:
             ValueError: unknown policy, or cachereforge / drift_only without a profile.
         """
         t0 = time.perf_counter()
+        self._fallback = None
         current = current if current is not None else self.current()
         policy = policy or self.config.resolved_policy()
         rows = kvcache.cache_length(session.cache)
@@ -232,10 +237,12 @@ class ReforgeState:
         return reanchored, invalid
 
     def _execute(self, session, start: int, end: int, current: AdapterState) -> None:
-        reason = session.capabilities.row_reuse_reason
-        if reason:  # layer-range recovery runs a full causal mask; only a re-prefill is exact here
-            log.warning("kvmemory: CacheReforge re-prefills every layer instead of [%d, %d): %s", start, end, reason)
-            self._reprefill(session, current)
+        """Re-execute layers ``[start, end)`` over every cached row and overwrite their K/V in place;
+        where rows cannot be overwritten exactly (capability gates), re-prefill every layer instead."""
+        reason = cache_unsupported_reason(session.cache) or session.capabilities.row_reuse_reason
+        if reason:  # quantized rows cannot be overwritten; sliding layers need their own masks
+            self._reprefill(session, current, f"CacheReforge re-prefills every layer instead of executing layers "
+                                              f"[{start}, {end}): {reason}")
             return
         ids = torch.tensor(session.token_ids, dtype=torch.long)
         rows = ids.shape[0]
@@ -247,21 +254,34 @@ class ReforgeState:
         for layer, h in run.boundaries.items():
             self.boundaries.write(layer, h, current)
 
-    def _reprefill(self, session, current: AdapterState) -> None:
-        """Recompute every cached row under the current adapter with ordinary forwards (the exact
-        fallback for models whose attention is not full everywhere, e.g. sliding windows). The last
-        row is left to :meth:`_refresh_last_row` (sliding cache layers cannot be cropped)."""
-        ids = torch.tensor(session.token_ids[:-1], dtype=torch.long)
-        session.cache = kvcache.new_cache(self.model.config)
-        if ids.numel():
-            with self.recording() as captures:
-                forward_rows(self.model, session.cache, ids, 0)
-            self.boundaries.commit(captures, None, ids.shape[0], current)
+    def _reprefill(self, session, current: AdapterState, reason: str) -> None:
+        """Re-prefill every cached row (the last one included, so its logits are the pending
+        request's) under the current adapter in one forward, into a fresh cache of the session's
+        kind (``session.cache_factory``: a quantized session stays quantized). The exact fallback
+        where layer ranges cannot be re-executed in place; ``reason`` is logged and reported as
+        ``ReforgeReport.fallback``. One forward of all rows, as a fresh prefill does: on a
+        quantized cache a separate last row would attend to dequantized rows instead."""
+        log.warning("kvmemory: %s", reason)
+        self._fallback = reason
+        ids = torch.tensor(session.token_ids, dtype=torch.long)
+        session.cache = session.cache_factory(self.model.config)
+        with self.recording() as captures:
+            logits = forward_rows(self.model, session.cache, ids, 0)
+        self.boundaries.commit(captures, None, ids.shape[0], current)
         self.anchors.set(range(self.num_layers), current)
+        if session.next_logits is not None:
+            session.next_logits = logits
+        self.logits_version = current.digest
+        session.exact_rows = ids.shape[0]  # every row recomputed from the token ids
 
     def _refresh_last_row(self, session, current: AdapterState) -> None:
         """Recompute the last cached row through every layer under the current adapter (its
         logits are the pending request's first-token distribution)."""
+        gate = cache_unsupported_reason(session.cache)
+        if gate and self._fallback is None:  # its last row cannot be cropped
+            self._reprefill(session, current, f"CacheReforge re-prefills the cache to recompute its last row: {gate}")
+        if self._fallback is not None:
+            return  # _reprefill recomputed every row, the last one included
         rows = len(session.token_ids)
         kvcache.crop_to(session.cache, rows - 1)
         with self.recording() as captures:
@@ -288,7 +308,9 @@ class ReforgeState:
             stale_layers=versions.stale_layers,
             mixed=versions.mixed,
             ms=(time.perf_counter() - t0) * 1000.0,
+            fallback=self._fallback,
         )
+        self._fallback = None
         if decision and action != "reuse" and decision.start == 0 and decision.r_kv > 1:
             report.note = "no valid retained boundary state below the update: executed from the embedding (exact, slower)"
             log.info("kvmemory: %s", report.note)
