@@ -15,7 +15,7 @@ The link to the chat model is its thread registry (:class:`kvmemory.threads.Thre
   process, so the next turn resumes from it (``cache_read`` > 0, no Re-prefill).
 
 A missing, truncated or mismatching blob, or one computed by another model, is detected (size,
-sha256, layout checks), logged with its reason and recorded in :attr:`restore_failures`; the
+sha256, layout and base-weights digest checks), logged with its reason and recorded in :attr:`restore_failures`; the
 thread then simply re-prefills from the checkpointed messages (a thread with no blob at all,
 e.g. after a crash before its first blob was written, is recorded with reason ``none``). The
 blob a thread resumed from is in :attr:`restored_from`. Checkpoints themselves are always stored
@@ -558,9 +558,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
 
 def _fingerprint(session) -> tuple:
     """Changes whenever the session's cache changes: a repair or prefill builds a new rendering,
-    decoding adds token ids, an import replaces the cache object."""
+    decoding adds token ids, an import replaces the cache object, CacheReforge maintenance
+    rewrites layers in place under a new adapter version (so the stored blob's versions follow)."""
     return (id(session.cache), len(session.token_ids), session.exact_rows, id(session.rendered),
-            session.next_logits is None)
+            session.next_logits is None, tuple(session.reforge.anchors.layer_versions), session.reforge.logits_version)
 
 
 def _sha_of(metadata) -> str | None:

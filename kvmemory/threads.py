@@ -23,11 +23,15 @@ from transformers.cache_utils import DynamicLayer
 from . import kvcache
 from .policy import RepairPolicy
 from .prompt import TemplateError, normalize_messages, render_prompt
+from .reforge.versions import LayerAnchors, base_weights_digest
 from .session import KVSession
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = "kvmemory.thread-state/1"
+# /2 records the model dtype, a base-weights digest and the per-layer adapter versions; /1 states
+# are still read, but never imported (their rows cannot be tied to a model or an adapter version)
+STATE_FORMAT = "kvmemory.thread-state/2"
+READABLE_FORMATS = ("kvmemory.thread-state/1", STATE_FORMAT)
 
 
 class CacheStateError(ValueError):
@@ -51,6 +55,13 @@ class CacheState:
         model_name: free text naming the model the rows came from (checked on import).
         answer_committed: the last message is an answer held as a message (rendered without a
             generation prompt, see ``KVSession.commit_answer``).
+        model_dtype: the model's parameter dtype (``"torch.float32"``), checked on import.
+        weights_digest: digest of the model's base weights (``base_weights_digest``), checked
+            on import ("" in format-1 states: not importable).
+        adapter_versions: the adapter version that produced each cache layer and the pending
+            logits (``ReforgeState.export_versions``: digests only, no θ); None in format-1
+            states (not importable). Layers whose version differs from the live adapter's are
+            recomputed by CacheReforge before the restored cache is used.
     """
 
     token_ids: list[int]
@@ -61,6 +72,9 @@ class CacheState:
     next_logits: torch.Tensor | None = None
     model_name: str = ""
     answer_committed: bool = False
+    model_dtype: str = ""
+    weights_digest: str = ""
+    adapter_versions: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +94,8 @@ class CacheState:
         return out
 
     def metadata(self) -> dict[str, str]:
-        """String metadata for a safetensors header (messages, tools, exact_rows, format)."""
+        """String metadata for a safetensors header (messages, tools, exact_rows, model identity,
+        adapter versions, format)."""
         return {
             "format": STATE_FORMAT,
             "messages": json.dumps(self.messages, default=str),
@@ -88,16 +103,20 @@ class CacheState:
             "exact_rows": str(self.exact_rows),
             "model_name": self.model_name,
             "answer_committed": "1" if self.answer_committed else "0",
+            "model_dtype": self.model_dtype,
+            "weights_digest": self.weights_digest,
+            "adapter_versions": json.dumps(self.adapter_versions),
         }
 
     @classmethod
     def from_parts(cls, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> "CacheState":
-        """Inverse of :meth:`tensors` + :meth:`metadata`.
+        """Inverse of :meth:`tensors` + :meth:`metadata` (also reads format-1 states, which then
+        carry no model digest or adapter versions and are refused by :func:`import_state`).
 
         Raises:
             CacheStateError: unknown format, missing tensors, or inconsistent row counts.
         """
-        if metadata.get("format") != STATE_FORMAT:
+        if metadata.get("format") not in READABLE_FORMATS:
             raise CacheStateError(f"not a kvmemory thread state (format {metadata.get('format')!r}, "
                                   f"expected {STATE_FORMAT!r})")
         try:
@@ -113,6 +132,9 @@ class CacheState:
                 next_logits=tensors.get("next_logits"),
                 model_name=metadata.get("model_name", ""),
                 answer_committed=metadata.get("answer_committed") == "1",
+                model_dtype=metadata.get("model_dtype", ""),
+                weights_digest=metadata.get("weights_digest", ""),
+                adapter_versions=json.loads(metadata.get("adapter_versions", "null")),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise CacheStateError(f"incomplete thread state ({exc!r}): re-prefill from the messages") from exc
@@ -125,9 +147,13 @@ class CacheState:
 def export_state(session: KVSession, model_name: str = "") -> CacheState:
     """Detached copy of ``session``'s cache state (K/V cloned: later repairs never alter it).
 
+    The state records the model's dtype, its base-weights digest (computed once per model
+    object, see ``base_weights_digest``) and the adapter version of every cache layer.
+
     Raises:
-        CacheStateError: the session holds no rows yet (nothing to export), or its cache has
-            sliding-window or quantized layers (capability gate: restored threads re-prefill).
+        CacheStateError: the session holds no rows yet (nothing to export), its cache has
+            sliding-window or quantized layers (capability gate: restored threads re-prefill), or
+            its layers carry no adapter versions.
     """
     if not session.token_ids:
         raise CacheStateError("the session holds no cache rows yet: nothing to export")
@@ -135,6 +161,10 @@ def export_state(session: KVSession, model_name: str = "") -> CacheState:
     if odd:  # capability gate: a sliding or quantized layer does not show every row in keys/values
         raise CacheStateError(f"the cache has {', '.join(odd)} layers, which a state cannot hold row for row: "
                               "the thread re-prefills from its messages after a restore (exact)")
+    versions = session.reforge.export_versions()
+    if versions is None:
+        raise CacheStateError("the cache's layers carry no adapter versions: a restore could not tell which "
+                              "adapter computed them; the thread re-prefills from its messages after a restore")
     held = [{"role": m.role, "content": m.content, "id": m.key, **m.extra} for m in session.messages]
     return CacheState(
         token_ids=list(session.token_ids),
@@ -145,6 +175,9 @@ def export_state(session: KVSession, model_name: str = "") -> CacheState:
         next_logits=None if session.next_logits is None else session.next_logits.clone(),
         model_name=model_name,
         answer_committed=session.answer_committed,
+        model_dtype=str(_model_dtype(session.model)),
+        weights_digest=base_weights_digest(session.model),
+        adapter_versions=versions,
     )
 
 
@@ -152,14 +185,20 @@ def import_state(session: KVSession, state: CacheState) -> None:
     """Load ``state`` into ``session`` (replacing what it held); the next ``prepare`` reuses it.
 
     The messages are re-rendered with the session's tokenizer and their tokenization must be
-    the prefix of ``state.token_ids``, so a state can never claim rows for other text.
+    the prefix of ``state.token_ids``, so a state can never claim rows for other text. The
+    cache layers keep the adapter versions they were computed under: if the live adapter
+    differs (e.g. new weights loaded under the same adapter name), the next ``prepare`` /
+    ``generate`` recomputes the affected layers exactly first (CacheReforge, reported in
+    ``session.reforge.last_report``).
 
     Raises:
-        CacheStateError: layer count, K/V shapes or dtype differ from the model's cache layout,
-            or the token ids are not the rendering of the stored messages. The session is
-            unchanged then.
+        CacheStateError: layer count, K/V shapes or dtype differ from the model's cache layout;
+            the state was computed by other base weights (weights digest) or another dtype; it
+            records no adapter versions (format 1) or malformed ones; or the token ids are not
+            the rendering of the stored messages. The session is unchanged then.
     """
     _check_layout(session, state)
+    _check_identity(session, state)
     rendered = None
     if state.messages:
         try:
@@ -180,6 +219,34 @@ def import_state(session: KVSession, state: CacheState) -> None:
     session.rendered = rendered
     session.next_logits = None if state.next_logits is None else state.next_logits.to(device)
     session.answer_committed = state.answer_committed
+    session.reforge.restore_versions(state.adapter_versions)
+    stale = session.reforge.version_report().stale_layers
+    if stale:
+        log.info("kvmemory: the restored cache's layers %s were computed under another adapter version than the "
+                 "live one: CacheReforge recomputes them before the cache is used", stale)
+
+
+def _model_dtype(model) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _check_identity(session: KVSession, state: CacheState) -> None:
+    """The state must come from this model (dtype, base-weights digest) and say which adapter
+    version computed each layer."""
+    if not state.weights_digest or state.adapter_versions is None:
+        raise CacheStateError("the state records no model weights digest or adapter versions (an older format): "
+                              "its rows cannot be tied to this model; re-prefill from the messages")
+    dtype = str(_model_dtype(session.model))
+    if state.model_dtype != dtype:
+        raise CacheStateError(f"state was computed in {state.model_dtype or 'an unknown dtype'}, the model runs in "
+                              f"{dtype}: re-prefill from the messages")
+    if state.weights_digest != base_weights_digest(session.model):
+        raise CacheStateError("state was computed by a model with other base weights (weights digest differs): "
+                              "re-prefill from the messages")
+    try:
+        LayerAnchors(session.reforge.num_layers).restore(state.adapter_versions)
+    except ValueError as exc:
+        raise CacheStateError(f"the state's adapter versions are unusable ({exc}): re-prefill from the messages") from exc
 
 
 def _check_layout(session: KVSession, state: CacheState) -> None:

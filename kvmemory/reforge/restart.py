@@ -34,12 +34,13 @@ def restart_layers(kind: str, layer: int, num_layers: int) -> tuple[int, int]:
     return r_kv, (layer if r_kv < num_layers else num_layers)
 
 
-def target_boundaries(model, num_layers: int, adapter: str = "default") -> tuple[int, ...]:
+def target_boundaries(model, num_layers: int, adapter: str | None = None) -> tuple[int, ...]:
     """Boundaries the configured update targets need: the execution restart r (eq. S4) of every
-    trainable LoRA module (``requires_grad``), excluding 0 (free) and N (nothing to restart)."""
+    module where ``adapter`` (None: any adapter) has a trainable tensor (``requires_grad``),
+    excluding 0 (free) and N (nothing to restart)."""
     out = set()
     for m in lora_modules(model, adapter):
-        if m.layer is None or not m.module.lora_A[adapter].weight.requires_grad:
+        if m.layer is None or not m.trainable(adapter):
             continue
         _, r = restart_layers(m.kind, m.layer, num_layers)
         if 0 < r < num_layers:

@@ -12,6 +12,7 @@ adapter.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +26,7 @@ from .profile import ReforgeProfile
 from .recovery import decoder_of, embed, overwrite_layers, run_layers
 from .restart import BoundaryStore, target_boundaries
 from .runtime import POLICIES, Decision, decide
-from .versions import AdapterState, LayerAnchors, capture_adapter, lora_modules
+from .versions import AdapterState, LayerAnchors, base_state, capture_adapter, lora_modules, unknown_state
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +37,17 @@ class ReforgeConfig:
 
     ``policy``: cachereforge (needs ``profile``), exact_suffix (default without a profile:
     exact), drift_only, fixed_window, stale (benchmarks only). ``boundary_layers``: layers whose
-    entering hidden state is retained (None: the restart layers of the trainable LoRA modules,
-    eq. S4). ``window``: fixed_window size in layers.
+    entering hidden state is retained (None: the restart layers of the trainable adapter
+    modules, eq. S4). ``adapter``: the adapter whose trainable modules define those restart
+    layers (None: every adapter's); it never narrows the version, which always covers every
+    computing adapter, which adapters compute and whether they are disabled.
+    ``window``: fixed_window size in layers.
     """
 
     policy: str | None = None
     profile: ReforgeProfile | None = None
     boundary_layers: tuple[int, ...] | None = None
-    adapter: str = "default"
+    adapter: str | None = None
     window: int = 2
 
     def resolved_policy(self) -> str:
@@ -60,8 +64,11 @@ class ReforgeReport:
     ``reanchored``: layers found exactly valid and re-anchored without compute; ``ms``: wall
     time (ms) of the whole step, of which ``request_ms`` recomputed the last row (the pending
     request's first token) and the rest is cache maintenance; ``mixed``: the cache mixes adapter
-    versions afterwards; ``fallback``: why every layer was re-prefilled instead of the chosen
-    range (a capability gate: sliding windows, a quantized cache), None otherwise."""
+    versions afterwards; ``incomparable``: layers whose anchor could not be compared with the
+    current adapter by a distance (other adapters computing or disabled, or anchors restored
+    without θ), recomputed exactly whatever the policy's distance rule says; ``fallback``: why
+    every layer was re-prefilled instead of the chosen range (a capability gate: sliding
+    windows, a quantized cache), None otherwise."""
 
     adapter_version: str | None
     policy: str
@@ -73,6 +80,7 @@ class ReforgeReport:
     recompute_pct: float
     triggered: list[int] = field(default_factory=list)
     reanchored: list[int] = field(default_factory=list)
+    incomparable: list[int] = field(default_factory=list)
     stale_layers: list[int] = field(default_factory=list)
     mixed: bool = False
     ms: float = 0.0
@@ -101,19 +109,30 @@ def source_rows(plan) -> torch.Tensor:
 
 
 class ReforgeState:
-    """Anchors + boundary states of one cache. Inert (no cost) for models without LoRA layers."""
+    """Anchors + boundary states of one cache. Without adapters every layer is anchored to the
+    base version (no boundary states, no hooks); adapters attached later (peft wrapping the
+    model after the session was created) are a new version like any other update."""
 
     def __init__(self, model, config: ReforgeConfig | None = None):
+        """Raises:
+            ValueError: unknown policy, a profile-based policy without a profile, boundary layers
+                outside ``[0, N)``, or ``config.adapter`` names no adapter of a model that has some.
+        """
         self.model = model
         self.config = config or ReforgeConfig()
         policy = self.config.resolved_policy()
         if policy in ("cachereforge", "drift_only") and self.config.profile is None:
             raise ValueError(f"CacheReforge policy {policy!r} needs a calibration profile: run `kvmemory calibrate`")
         self.num_layers = model.config.get_text_config().num_hidden_layers
-        self.tracked = bool(lora_modules(model, self.config.adapter))
+        modules = lora_modules(model)
+        adapter = self.config.adapter
+        loaded = sorted({a for m in modules for a in m.adapters()})
+        if adapter is not None and loaded and adapter not in loaded:
+            raise ValueError(f"ReforgeConfig.adapter={adapter!r} names no adapter of this model (it has "
+                             f"{', '.join(map(repr, loaded))}): pass one of them, or None for all")
         layers = self.config.boundary_layers
         if layers is None:
-            layers = target_boundaries(model, self.num_layers, self.config.adapter) if self.tracked else ()
+            layers = target_boundaries(model, self.num_layers, adapter) if modules else ()
         bad = [x for x in layers if not 0 <= x < self.num_layers]
         if bad:
             raise ValueError(f"boundary layers {bad} outside [0, {self.num_layers})")
@@ -144,9 +163,10 @@ class ReforgeState:
         self.boundaries.clear()
         self.logits_version = None
 
-    def current(self) -> AdapterState | None:
-        """The active adapter's state (None: no LoRA layers)."""
-        return capture_adapter(self.model, self.num_layers, self.config.adapter) if self.tracked else None
+    def current(self) -> AdapterState:
+        """The version the model computes now (every computing adapter; the base version when
+        none computes or the model has no adapter layers)."""
+        return capture_adapter(self.model, self.num_layers) or base_state(self.num_layers)
 
     @property
     def boundary_bytes(self) -> int:
@@ -157,11 +177,36 @@ class ReforgeState:
         """Per-layer versions of the cache (mixed-version report) against the active adapter."""
         return self.anchors.report(self.current())
 
+    # ------------------------------------------------------- stored states
+    def export_versions(self) -> dict | None:
+        """The per-layer adapter versions of the cache as JSON-able data (digests only, no θ),
+        or None when a layer has no anchor."""
+        records = self.anchors.records()
+        if records is None:
+            return None
+        return {**records, "logits_version": self.logits_version}
+
+    def restore_versions(self, records: dict) -> None:
+        """Anchor a restored cache to the versions it was computed under (from
+        :meth:`export_versions`). Restored anchors carry no θ, so a layer whose version differs
+        from the live adapter's is recomputed exactly by the next maintenance (never compared by
+        distance, never trusted). No boundary state is restored: recovery starts at the embedding.
+
+        Raises:
+            ValueError: malformed records or another layer count.
+        """
+        anchors = LayerAnchors(self.num_layers)
+        anchors.restore(records)
+        logits_version = records.get("logits_version")
+        self.boundaries.clear()
+        self.anchors = anchors
+        self.logits_version = None if logits_version is None else str(logits_version)
+
     # ------------------------------------------------------------- prefill side
     @contextlib.contextmanager
     def recording(self):
-        """Capture boundary states during the session's forwards (no-op without LoRA)."""
-        if not self.tracked or not self.boundaries.layers:
+        """Capture boundary states during the session's forwards (no-op without boundary layers)."""
+        if not self.boundaries.layers:
             yield []
             return
         with self.boundaries.recording(decoder_of(self.model).layers) as captures:
@@ -171,11 +216,12 @@ class ReforgeState:
         """Record what a forward/repair did: boundary rows follow the K/V rows (``source_rows``:
         old row of each new row, -1 = computed; None = kept in place); anchors move to
         ``current`` only when every row was recomputed (or the cache was empty)."""
-        if not self.tracked or current is None:
+        if current is None:
             return
         if rows == 0:
             self.reset()
             return
+        self.anchors.adopt(current)
         self.boundaries.commit(captures, source_rows, rows, current)
         if recomputed_all or self.anchors.empty:
             self.anchors.set(range(self.num_layers), current)
@@ -203,14 +249,18 @@ class ReforgeState:
         current = current if current is not None else self.current()
         policy = policy or self.config.resolved_policy()
         rows = kvcache.cache_length(session.cache)
-        if current is None or rows == 0 or self.anchors.empty:
-            if current is not None and rows:
-                self.anchors.set(range(self.num_layers), current)
+        if rows == 0:
             return self._report(current, policy, None, rows, [], t0)
+        if self.anchors.empty:  # rows of unknown provenance: never trusted as current
+            log.warning("kvmemory: cache rows without adapter anchors: every layer is recomputed")
+            self.anchors.set(range(self.num_layers), unknown_state(self.num_layers))
         reanchored, invalid = self._reanchor_unchanged(current)
         start = self.boundaries.valid_start(invalid[0], current, rows) if invalid else self.num_layers
         decision = decide(policy, self.anchors.distances(current), invalid, start,
                           self.config.profile, self.config.window)
+        incomparable = self.anchors.incomparable(current, invalid)
+        if policy != "stale":  # the stale baseline reuses everything on purpose (reported stale)
+            decision = _covering(decision, incomparable)
         if decision.action != "reuse":
             self._execute(session, decision.start, decision.end, current)
         t1 = time.perf_counter()
@@ -220,7 +270,7 @@ class ReforgeState:
             session.exact_rows = 0
         if decision.action != "reuse" or self.logits_version != current.digest:  # the prefix changed
             self._refresh_last_row(session, current)
-        report = self._report(current, policy, decision, rows, reanchored, t0)
+        report = self._report(current, policy, decision, rows, reanchored, t0, incomparable)
         report.request_ms = (time.perf_counter() - t1) * 1000.0
         return report
 
@@ -291,7 +341,8 @@ class ReforgeState:
             session.next_logits = logits
         self.logits_version = current.digest
 
-    def _report(self, current, policy, decision: Decision | None, rows, reanchored, t0) -> ReforgeReport:
+    def _report(self, current, policy, decision: Decision | None, rows, reanchored, t0,
+                incomparable=()) -> ReforgeReport:
         versions = self.anchors.report(current)
         action = decision.action if decision else "reuse"
         report = ReforgeReport(
@@ -305,16 +356,32 @@ class ReforgeState:
             recompute_pct=100.0 * (decision.layers if decision else 0) / self.num_layers,
             triggered=decision.triggered if decision else [],
             reanchored=reanchored,
+            incomparable=list(incomparable),
             stale_layers=versions.stale_layers,
             mixed=versions.mixed,
             ms=(time.perf_counter() - t0) * 1000.0,
             fallback=self._fallback,
         )
         self._fallback = None
+        notes = []
+        if incomparable and action != "reuse":
+            notes.append(f"the adapter layout differs from the anchors of layers {list(incomparable)} (other adapters "
+                         f"computing or disabled, or anchors restored without θ): layers [{decision.start}, "
+                         f"{decision.end}) recomputed exactly instead of compared by distance")
         if decision and action != "reuse" and decision.start == 0 and decision.r_kv > 1:
-            report.note = "no valid retained boundary state below the update: executed from the embedding (exact, slower)"
+            notes.append("no valid retained boundary state below the update: executed from the embedding (exact, slower)")
+        if notes:
+            report.note = "; ".join(notes)
             log.info("kvmemory: %s", report.note)
         if versions.stale_layers:
             log.info("kvmemory: cache layers %s still hold an older adapter version", versions.stale_layers)
         self.last_report = report
         return report
+
+
+def _covering(decision: Decision, layers: list[int]) -> Decision:
+    """``decision`` widened so layers ``[start, 1 + max(layers))`` are recomputed: layers that
+    no distance can judge are recomputed, never reused (``triggered`` keeps the policy's own)."""
+    if not layers:
+        return decision
+    return dataclasses.replace(decision, end=max(decision.end or 0, 1 + max(layers)))
