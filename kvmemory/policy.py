@@ -164,6 +164,8 @@ class RepairReport:
     ``packed-triton``); ``executor_fallback`` says why the requested executor was replaced.
     ``erased`` (strict erase only): ``{"mode", "messages" (ids), "from_row", "rows_recomputed",
     "rows_overwritten", "boundary_rows_overwritten"}`` in rows; None when nothing was erased.
+    ``adapter``: the CacheReforge maintenance this call ran first because the adapter version
+    changed (``ReforgeReport.as_dict()``: action, layer range, ``fallback``), None otherwise.
     """
 
     operator: str
@@ -190,6 +192,7 @@ class RepairReport:
     latency_ms: float = 0.0
     replayed_probe_ms: float = 0.0  # allocation probes reused via selection.shared_signals; in selection_ms and latency_ms
     erased: dict | None = None  # strict erase: messages, from_row, rows_recomputed, rows_overwritten
+    adapter: dict | None = None  # CacheReforge maintenance run by this call (ReforgeReport.as_dict())
 
     def to_dict(self) -> dict:
         return asdict(self)

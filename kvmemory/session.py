@@ -187,7 +187,9 @@ class KVSession:
         new, fallback = self._render(new_messages)
         self._check_fits(len(new))
         old = self.rendered if fallback is None else None
+        maintained = self.reforge.last_report
         adapter = self._sync_adapter()  # an adapter update first: it may leave rows stale (exact_rows)
+        maintenance = self.reforge.last_report if self.reforge.last_report is not maintained else None
         plan = plan_edits(self.token_ids, old, new, self.exact_rows, self._kept_rows(policy))
         query = new_messages[-1].content
         ctx = RepairContext(
@@ -216,6 +218,9 @@ class KVSession:
             self.pending_erasures.extend(k for k in erased if k not in self.pending_erasures)
         if fallback and plan.common_prefix < len(self.token_ids):  # only an edit loses segment reuse
             report.fallback = report.fallback or fallback
+        if maintenance is not None:  # CacheReforge brought the cache to a new adapter version first
+            report.adapter = maintenance.as_dict()
+            report.fallback = report.fallback or maintenance.fallback
         report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:
             log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)

@@ -62,6 +62,8 @@ class CacheState:
             logits (``ReforgeState.export_versions``: digests only, no θ); None in format-1
             states (not importable). Layers whose version differs from the live adapter's are
             recomputed by CacheReforge before the restored cache is used.
+        stale_budget: budget b (%) the stale rows (after ``exact_rows``) were repaired under, so
+            a restored cache does not spend a later request's allowance on them again (0: unknown).
     """
 
     token_ids: list[int]
@@ -75,6 +77,7 @@ class CacheState:
     model_dtype: str = ""
     weights_digest: str = ""
     adapter_versions: dict[str, Any] | None = None
+    stale_budget: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -106,6 +109,7 @@ class CacheState:
             "model_dtype": self.model_dtype,
             "weights_digest": self.weights_digest,
             "adapter_versions": json.dumps(self.adapter_versions),
+            "stale_budget": repr(self.stale_budget),
         }
 
     @classmethod
@@ -135,6 +139,7 @@ class CacheState:
                 model_dtype=metadata.get("model_dtype", ""),
                 weights_digest=metadata.get("weights_digest", ""),
                 adapter_versions=json.loads(metadata.get("adapter_versions", "null")),
+                stale_budget=float(metadata.get("stale_budget", "0")),
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise CacheStateError(f"incomplete thread state ({exc!r}): re-prefill from the messages") from exc
@@ -178,6 +183,7 @@ def export_state(session: KVSession, model_name: str = "") -> CacheState:
         model_dtype=str(_model_dtype(session.model)),
         weights_digest=base_weights_digest(session.model),
         adapter_versions=versions,
+        stale_budget=session.stale_budget,
     )
 
 
@@ -216,6 +222,7 @@ def import_state(session: KVSession, state: CacheState) -> None:
     session.cache = kvcache.from_tensors([(k.to(device), v.to(device)) for k, v in state.layers])
     session.token_ids = list(state.token_ids)
     session.exact_rows = min(state.exact_rows, len(state.token_ids))
+    session.stale_budget = state.stale_budget if session.exact_rows < len(state.token_ids) else 0.0
     session.rendered = rendered
     session.next_logits = None if state.next_logits is None else state.next_logits.to(device)
     session.answer_committed = state.answer_committed

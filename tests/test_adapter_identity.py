@@ -83,11 +83,12 @@ def test_two_adapters_alternating_match_a_fresh_prefill(tokenizer):
     versions = {s.adapter_versions.current}
     for active in ("b", "default", "b"):
         pm.set_adapter(active)
-        s.prepare(MSGS)
+        repair = s.prepare(MSGS)
         assert max_diff(s.next_logits, reprefill_logits(pm, tokenizer)) < ATOL, active
         report = s.reforge.last_report
         assert report.action != "reuse" and report.start <= 1 and report.incomparable  # other adapters: no distance
         assert "layout" in report.note and not s.adapter_versions.stale_layers
+        assert repair.adapter == report.as_dict()  # the call's report says the cache was maintained first
         versions.add(s.adapter_versions.current)
     assert len(versions) == 2  # the version is the function: the same adapter again, the same version
 
@@ -155,7 +156,7 @@ def test_import_after_new_weights_under_the_same_name_is_maintained(tokenizer):
     assert session.adapter_versions.stale_layers == [0, 1, 2, 3, 4, 5]  # restored: not current
     report = session.prepare(MSGS)
     assert max_diff(session.next_logits, reprefill_logits(pm, tokenizer)) < ATOL  # was ~0.7
-    assert report.reused_tokens == len(session.token_ids) - 1  # the rows were kept, their layers maintained
+    assert report.reused_tokens == len(session.token_ids)  # the rows were kept, their layers maintained
     maintained = session.reforge.last_report
     assert maintained.incomparable == [2, 3, 4, 5] and maintained.reanchored == [0, 1]  # no θ stored: exact
     for (k, v), (fk, fv) in zip(kvcache.layer_tensors(session.cache), fresh_kv(pm, session.token_ids)):

@@ -184,3 +184,14 @@ def test_rows_are_never_cropped_from_a_quantized_cache(llama, tokenizer):
     with pytest.raises(ValueError, match="not croppable"):
         kvcache.crop_to(s.cache, n - 1)
     assert kvcache.cache_length(s.cache) == n
+
+
+def test_the_call_that_maintains_a_quantized_cache_reports_the_fallback(tokenizer):
+    model = lora_llama(2, "v_proj")
+    s = KVSession(model, tokenizer, "sur@5", reforge=ReforgeConfig(), cache_factory=BACKENDS["fp8"])
+    assert s.prepare(MSGS).adapter is None  # no adapter change before the first call
+    nudge(model)
+    report = s.prepare(MSGS)
+    assert report.adapter["fallback"] and "re-prefills" in report.adapter["fallback"]
+    assert report.fallback == report.adapter["fallback"]  # log + report: the call says it was recomputed
+    assert s.prepare(MSGS).adapter is None  # nothing changed since: nothing maintained, nothing reported

@@ -75,6 +75,23 @@ def test_identical_request_after_sparse_repair_refreshes_nothing(llama, tokenize
     s.check_invariants()
 
 
+def test_a_restored_cache_keeps_its_repair_budget(llama, tokenizer):
+    """An exported state says what its stale rows were repaired under: the restored thread does
+    not refresh them again on an identical request."""
+    from kvmemory.threads import CacheState, ThreadCaches
+
+    reg = ThreadCaches(llama, tokenizer, "sur@5")
+    with reg.lease("a") as s:
+        s.prepare(history() + [QUERY])
+        s.prepare(EDIT)
+    state = reg.export_state("a")
+    state = CacheState.from_parts(state.tensors(), state.metadata())
+    assert state.stale_budget == 5.0
+    restored = ThreadCaches(llama, tokenizer, "sur@5").import_state("b", state)
+    report = restored.prepare(EDIT)
+    assert (report.recomputed_tokens, report.refreshed_tokens) == (0, 0) and report.kept_stale_tokens > 0
+
+
 def test_identical_request_after_an_ended_answer_needs_no_forward(llama, tokenizer):
     s = repaired(llama, tokenizer)
     logits = s.next_logits.clone()
