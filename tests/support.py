@@ -26,6 +26,12 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     return model.eval()
 
 
+def reprefill_logits(model, token_ids) -> torch.Tensor:
+    """Re-prefill: one plain forward of the whole prompt without a cache (fp32 ``[vocab]``)."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([list(token_ids)])).logits[0, -1].float()
+
+
 def history() -> list[dict]:
     return [
         {"role": "system", "content": "You answer questions about the passages the tool returns.", "id": "sys"},

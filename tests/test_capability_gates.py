@@ -16,7 +16,7 @@ from transformers import QuantizedCache
 
 from kvmemory.capabilities import cache_unsupported_reason, model_capabilities
 from kvmemory.session import KVSession
-from support import QUERY, history, tiny_config, without
+from support import QUERY, history, reprefill_logits, tiny_config, without
 
 COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True,
@@ -49,11 +49,6 @@ def _qwen2_vl():
 
 def _dynamic_llama():
     return _build(tiny_config("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
-
-
-def reprefill_logits(model, token_ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([list(token_ids)])).logits[0, -1].float()
 
 
 def edit_and_check(model, tokenizer, policy="sur@5", **session_kwargs):

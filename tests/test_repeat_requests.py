@@ -15,7 +15,7 @@ from kvmemory import kvcache
 from kvmemory.policy import RepairPolicy
 from kvmemory.selection import allowance
 from kvmemory.session import KVSession
-from support import QUERY, history, replaced, tiny_model, without
+from support import QUERY, history, replaced, reprefill_logits, tiny_model, without
 
 TOL = 1e-4  # fp32 logits: equality with Re-prefill
 EDIT = without(history(), "a2", "t2") + [QUERY]
@@ -26,12 +26,6 @@ TURN = EDIT + [{"role": "assistant", "content": "Helmsford.", "id": "ans"},
 @pytest.fixture(scope="module")
 def llama():
     return tiny_model("llama")
-
-
-def reprefill_logits(model, token_ids) -> torch.Tensor:
-    """Re-prefill: one plain forward of the whole prompt without a cache (fp32 ``[vocab]``)."""
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([list(token_ids)])).logits[0, -1].float()
 
 
 def repaired(model, tokenizer, policy="sur@5") -> KVSession:

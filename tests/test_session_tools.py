@@ -20,7 +20,7 @@ from kvmemory.prompt import template_renders_tools, tools_block
 from kvmemory.session import KVSession
 from kvmemory.threads import export_state, import_state
 from langchain_kvmemory import ChatKVMemory
-from support import tiny_model
+from support import reprefill_logits, tiny_model
 
 LOOKUP = {"type": "function", "function": {
     "name": "lookup", "description": "Look up passages about a topic.",
@@ -35,11 +35,6 @@ ATOL = 1e-4  # fp32 logits
 @pytest.fixture(scope="module")
 def llama():
     return tiny_model("llama")
-
-
-def reprefill_logits(model, token_ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([list(token_ids)])).logits[0, -1].float()
 
 
 def test_tools_are_folded_into_the_system_message_of_a_template_without_tool_support(llama, tokenizer):
