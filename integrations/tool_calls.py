@@ -19,7 +19,7 @@ import re
 import uuid
 from typing import Any
 
-from kvmemory.prompt import CALL_CLOSE, CALL_OPEN, DEFAULT_SYSTEM, template_renders_tools, tools_block
+from kvmemory.prompt import CALL_CLOSE, CALL_OPEN, DEFAULT_SYSTEM, format_call, template_renders_tools, tools_block
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "DEFAULT_SYSTEM", "format_call", "new_call_id", "schema_block", "split_calls",
            "template_renders_tools", "tools_block"]
@@ -29,12 +29,6 @@ _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLO
 def schema_block(schema: dict[str, Any]) -> str:
     """The instruction appended to the system message when the answer must be JSON for ``schema``."""
     return "Answer with only a JSON object that follows this JSON schema:\n" + json.dumps(schema, ensure_ascii=False)
-
-
-def format_call(name: str, arguments: dict[str, Any]) -> str:
-    """One tool call as the model writes it (the text an assistant turn holds for it)."""
-    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
 
 
 def split_calls(text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:

@@ -235,6 +235,13 @@ def tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
+def format_call(name: str, arguments: dict[str, Any]) -> str:
+    """One tool call as the model writes it in the format :func:`tools_block` asks for (the text an
+    assistant turn holds for it under a template without tool support)."""
+    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{CALL_OPEN}\n{body}\n{CALL_CLOSE}"
+
+
 def fold_tools(messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The template message dicts with the tools folded in, for templates without tool support:
     ``"\n\n" + tools_block(tools)`` appended to the first message when it is a system message,

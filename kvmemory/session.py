@@ -460,12 +460,8 @@ class KVSession:
         return self.reforge.version_report()
 
     def stop_token_ids(self) -> set[int]:
-        """Token ids that end an answer: the generation config's and the tokenizer's eos ids."""
-        ids = set()
-        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
-            eos = getattr(source, "eos_token_id", None)
-            ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        return ids
+        """Token ids that end an answer (see :func:`stop_token_ids`)."""
+        return stop_token_ids(self.model, self.tokenizer)
 
     def commit_answer(self, answer: Mapping[str, Any]) -> bool:
         """Hold the answer just generated as a message of its own (e.g. ``{"role": "assistant",
@@ -507,6 +503,15 @@ class KVSession:
                 fresh, _ = self._render(list(self.rendered.messages), previous=None)
             n = len(fresh.token_ids)
             assert tuple(self.token_ids[:n]) == fresh.token_ids, "cached ids differ from the messages' tokenization"
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """Token ids that end an answer: the model's generation config's and the tokenizer's eos ids."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    return ids
 
 
 def _check_model_and_tokenizer(model, tokenizer) -> None:

@@ -9,6 +9,7 @@ from statistics import mean, median
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
 from ..metrics import contains_gold
 from ..selection import ALLOCATOR_TITLES
+from .common import agg_pyplot
 
 REFERENCE_NAMES = ("dirty", "shift", "replay", "reprefill")
 BOOTSTRAP_REFERENCES = ("shift", "replay", "reprefill")
@@ -180,10 +181,7 @@ def _group_table(groups: dict, metric: str, spec: str) -> list[str]:
 
 def plots(summary: dict, out: Path) -> list[Path]:
     """fidelity_vs_budget.png (agreement and EM per allocator) and fidelity_vs_latency.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
 
     allocators = [a for a in ALLOCATOR_TITLES if a in summary]
     paths = []

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .common import agg_pyplot
+
 METHODS = ("fresh", "exact_suffix", "stale", "cachereforge", "drift_only", "fixed_window")
 EVAL_SEED = 7  # the paper's first held-out seed
 
@@ -306,10 +308,7 @@ def _sweep_lines(sweep: list[dict]) -> list[str]:
 
 
 def _plot(r: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for m, v in r["methods"].items():

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .common import agg_pyplot, int_list, load_average, time_ratio
+
 DELETED = 8
 EXECUTORS = ("sequential", "direct", "oneshot", "packed-sdpa", "packed-triton")
 # random-weight configs for the GPU table (Qwen3-8B's shape, Appendix 13.3) and a CPU smoke test
@@ -41,8 +43,8 @@ RANDOM_CONFIGS = {
 def add_arguments(parser) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder (default benchmarks/results)")
     parser.add_argument("--quick", action="store_true", help="2 K context only, for a fast check")
-    parser.add_argument("--contexts", type=_ints, default=[2048, 8192], help="context lengths N in tokens (default 2048,8192)")
-    parser.add_argument("--intervals", type=_ints, default=[1, 4, 16], help="interval counts R (default 1,4,16)")
+    parser.add_argument("--contexts", type=int_list, default=[2048, 8192], help="context lengths N in tokens (default 2048,8192)")
+    parser.add_argument("--intervals", type=int_list, default=[1, 4, 16], help="interval counts R (default 1,4,16)")
     parser.add_argument("--positions", type=int, default=64, help="refreshed positions B (default 64)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up runs per executor and R (default 2)")
     parser.add_argument("--trials", type=int, default=7, help="timed interleaved trials (default 7, at least 7 for the table)")
@@ -54,18 +56,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stable on a shared machine)")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def _ints(text: str) -> list[int]:
-    import argparse
-
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,4,16 (got {text!r})") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers (got {text!r})")
-    return values
 
 
 def _names(text: str) -> list[str]:
@@ -128,7 +118,7 @@ def run(args, console) -> int:
             except ValueError as exc:
                 console.print(f"[red]{exc}: change --contexts/--intervals/--positions[/red]")
                 return 2
-    load_at_start = list(os.getloadavg())
+    load_at_start = load_average()
     model, name = _load(args, device, dtype)
     rows: list[Row] = []
     for n in contexts:
@@ -285,7 +275,7 @@ def _meta(args, name, dtype, device, contexts, executors) -> dict:
 
 def _write(out: Path, meta: dict, rows: list[Row], console) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    meta["loadavg_end"] = list(os.getloadavg())
+    meta["loadavg_end"] = load_average()
     (out / "refresh.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     table = markdown_table(meta, rows)
     (out / "refresh.md").write_text(table)
@@ -313,13 +303,13 @@ def markdown_table(meta: dict, rows: list[Row]) -> str:
     for n in contexts:
         for r in intervals:
             cells = [f"{median[(e, n, r)]:.1f}" if (e, n, r) in median else "" for e in executors]
-            ratio = _ratio(median, ("sequential", n, r), ("packed-sdpa", n, r))
+            ratio = time_ratio(median, ("sequential", n, r), ("packed-sdpa", n, r))
             lines.append(f"| {n} | {r} | " + " | ".join(cells) + f" | {ratio} |")
     lines += ["", "Targets (paper §4.4 protocol):"]
     for n in contexts:
         hi, lo = max(intervals), min(intervals)
-        speedup = _ratio(median, ("sequential", n, hi), ("packed-sdpa", n, hi))
-        flat = _ratio(median, ("packed-sdpa", n, hi), ("packed-sdpa", n, lo))
+        speedup = time_ratio(median, ("sequential", n, hi), ("packed-sdpa", n, hi))
+        flat = time_ratio(median, ("packed-sdpa", n, hi), ("packed-sdpa", n, lo))
         lines.append(f"- N = {n}: packed vs sequential-with-copies at R = {hi}: {speedup} (target ≥ 8× at 2 K on CPU); "
                      f"packed R = {hi} / R = {lo}: {flat} (target ≤ 1.2×)")
     diffs = [r.max_abs_diff_vs_sequential for r in rows if r.max_abs_diff_vs_sequential is not None]
@@ -328,19 +318,9 @@ def markdown_table(meta: dict, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ratio(median: dict, num, den) -> str:
-    if num not in median or den not in median or median[den] <= 0:
-        return ""
-    return f"{median[num] / median[den]:.2f}×"
-
-
 def plot(rows: list[Row], path: Path, meta: dict) -> None:
     """Median refresh time vs R, one line per executor, one panel per context (log y)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = agg_pyplot()
     contexts = sorted({r.context for r in rows})
     fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
     for ax, n in zip(axes[0], contexts):

@@ -1,0 +1,56 @@
+"""Helpers shared by the benchmark modules: option types, machine facts, ratios and the plot backend."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+from pathlib import Path
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: ``"2048,4096"`` -> ``[2048, 4096]`` (positive integers).
+
+    Raises:
+        argparse.ArgumentTypeError: a non-integer or non-positive item, or an empty list.
+    """
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,4,16 (got {text!r})") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers (got {text!r})")
+    return values
+
+
+def load_average() -> list[float]:
+    """1/5/15-minute load averages now (other jobs share the CPU: recorded before and after a run)."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine_name() -> str:
+    """The CPU model (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def time_ratio(median: dict, num, den) -> str:
+    """``median[num] / median[den]`` formatted as ``"1.23×"``; empty when either is missing or 0."""
+    if num not in median or den not in median or not median[den]:
+        return ""
+    return f"{median[num] / median[den]:.2f}×"
+
+
+def agg_pyplot():
+    """``matplotlib.pyplot`` on the headless Agg backend (benchmarks write PNG files only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
