@@ -34,11 +34,12 @@ from pathlib import Path
 import torch
 
 from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT, DemoCase, Passage, default_data_dir, hotpot_cases
-from ..errors import KVMemoryError
+from ..errors import KVMemoryError, ModelNotFoundError
+from ..models import embedded_gguf_path
 from ..policy import RepairPolicy
 from ..prompt import format_call, normalize_messages, render_text, template_renders_tools
 from .agent_systems import (
-    KVMemorySystem, LlamaCppSystem, ModelPool, ReprefillSystem, llama_cpp_missing, system_name,
+    KVMemorySystem, LlamaCppSystem, ModelPool, ReprefillSystem, llama_cpp_missing,
 )
 from .common import agg_pyplot, int_list, load_average, machine_name, time_ratio
 
@@ -49,8 +50,8 @@ POOL_CASES = 60  # questions whose passages may fill a context (~1,300 tokens ea
 SEARCH_TOOL = {"type": "function", "function": {
     "name": "search", "description": "Search Wikipedia; returns one passage.",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
-QUICK = {"contexts": [768], "trials": 1, "answer_tokens": 4, "decode_tokens": 8}
-DEFAULTS = {"trials": 3, "answer_tokens": 20, "decode_tokens": 128}
+FULL = {"contexts": [2048, 4096, 8192], "trials": 3, "answer_tokens": 20, "decode_tokens": 128}
+QUICK = {"contexts": [768], "trials": 1, "answer_tokens": 4, "decode_tokens": 8}  # 2 HotpotQA tool turns need ~530
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,17 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args) -> dict:
     """Resolved options: ``--quick`` shrinks the defaults, explicit flags still win."""
-    base = QUICK if args.quick else {"contexts": [2048, 4096, 8192], **DEFAULTS}
-    out = {k: getattr(args, k) if getattr(args, k) is not None else base.get(k, DEFAULTS.get(k)) for k in
-           ("contexts", "trials", "answer_tokens", "decode_tokens")}
+    base = QUICK if args.quick else FULL
+    out = {k: getattr(args, k) if getattr(args, k) is not None else default for k, default in base.items()}
     out["policies"] = [p.strip() for p in args.policies.split(",") if p.strip()]
     return out
 
 
-def _check(settings: dict, data_dir) -> str | None:
+def _check(settings: dict, data_dir, threads: int) -> str | None:
     """A message naming the fix for unusable options, checked before any model loads."""
-    if settings["trials"] < 1 or settings["answer_tokens"] < 1 or settings["decode_tokens"] < 2:
-        return "--trials and --answer-tokens must be at least 1, --decode-tokens at least 2"
+    if settings["trials"] < 1 or settings["answer_tokens"] < 1 or settings["decode_tokens"] < 2 or threads < 1:
+        return "--trials, --answer-tokens and --threads must be at least 1, --decode-tokens at least 2"
     if not settings["policies"]:
         return "--policies needs at least one kvmemory policy label, e.g. sur@5,replay"
     for label in settings["policies"]:
@@ -125,6 +125,9 @@ def _tool_turn(i: int, passage: Passage, template_tools: bool) -> list[dict]:
 
 
 def _step_messages(case: DemoCase, passages: list[Passage], deleted: int, template_tools: bool) -> dict[str, list[dict]]:
+    """Each step's messages: the history (system, question, tool turns), + the answer request
+    (``append``), - tool result ``deleted`` (``delete``, ``decode``; its call stays, as when an
+    agent removes a ToolMessage)."""
     history = [{"role": "system", "content": SYSTEM_PROMPT, "id": "system"},
                {"role": "user", "content": f"Question: {case.question}", "id": "task"}]
     for i, p in enumerate(passages):
@@ -205,7 +208,7 @@ class Row:
 def run(args, console) -> int:
     settings = _settings(args)
     data_dir = args.data or default_data_dir()
-    problem = _check(settings, data_dir)
+    problem = _check(settings, data_dir, args.threads)
     if problem:
         console.print(problem, style="red", markup=False)
         return 2
@@ -237,20 +240,24 @@ def _systems(args, settings: dict, pool: ModelPool, chats: list[AgentChat]) -> t
     systems: list = [KVMemorySystem({"engine": "kvmemory", "policy": p, "dtype": args.dtype}, pool.get(args.dtype), tools)
                      for p in settings["policies"]]
     systems += [ReprefillSystem({"engine": "transformers", "dtype": d}, pool.get(d), tools) for d in ("fp32", "bf16")]
-    skipped = []
-    missing = llama_cpp_missing()
-    if missing:
-        skipped.append(missing)
-    elif args.gguf is None and args.model is not None:
-        skipped.append("llama.cpp skipped: --model is not the embedded model; pass --gguf with the same model as GGUF")
-    else:
-        from ..models import embedded_gguf_path
+    skip = llama_cpp_missing()
+    if skip is None and args.gguf is None and args.model is not None:
+        skip = "llama.cpp skipped: --model is not the embedded model; pass --gguf with the same model as GGUF"
+    if skip is None:
+        try:
+            systems.append(_llama_system(args, settings, pool, chats, tools))
+        except ModelNotFoundError as exc:  # the embedded GGUF's wheel is gone (a converted copy still runs)
+            skip = f"llama.cpp skipped: {exc}"
+    return systems, [skip] if skip else []
 
-        n_ctx = max(max(c.prompt_tokens.values()) for c in chats) + settings["decode_tokens"] + 256  # llama.cpp may tokenize longer
-        gguf = args.gguf or embedded_gguf_path()
-        systems.append(LlamaCppSystem({"engine": "llama.cpp", "gguf": str(gguf)}, pool.get(args.dtype).tokenizer, tools,
-                                      n_ctx, args.threads))
-    return systems, skipped
+
+def _llama_system(args, settings: dict, pool: ModelPool, chats: list[AgentChat], tools) -> LlamaCppSystem:
+    """llama.cpp on ``--gguf`` (default: the embedded model's packaged GGUF), its context sized for
+    the longest request. Raises ModelNotFoundError when the embedded GGUF is not installed."""
+    longest = max(max(c.prompt_tokens.values()) for c in chats)
+    n_ctx = longest + settings["decode_tokens"] + 256  # margin: llama.cpp may tokenize a little longer
+    config = {"engine": "llama.cpp", "gguf": str(args.gguf or embedded_gguf_path())}
+    return LlamaCppSystem(config, pool.get(args.dtype).tokenizer, tools, n_ctx, args.threads)
 
 
 def _warm_up(systems: list, chat: AgentChat) -> None:
@@ -294,6 +301,7 @@ def _meta(args, settings: dict, pool: ModelPool, systems: list, skipped: list[st
     llama = next((s for s in systems if isinstance(s, LlamaCppSystem)), None)
     return {
         "command": getattr(args, "command_line", None), "threads": args.threads, "cpu_count": os.cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "machine": machine_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "llama_cpp": llama.version if llama else None, "gguf": llama.gguf if llama else None,
         "model": pool.get(args.dtype).name,
@@ -325,7 +333,7 @@ def markdown(meta: dict, rows: list[Row]) -> str:
     prefilled tokens, time to first token, and time ratios to transformers bf16 and llama.cpp."""
     lines = [
         f"# Agent hops side by side ({meta['model']}, {meta['threads']} thread(s))", "",
-        f"Command: `{meta['command']}`", "",
+        f"Command: `{_env_prefix(meta)}{meta['command']}`", "",
         f"{meta['date']} on {meta['machine']} ({meta['cpu_count']} CPUs); torch {meta['torch']}, transformers "
         f"{meta['transformers']}" + (f", llama-cpp-python {meta['llama_cpp']}" if meta["llama_cpp"] else "") + ". "
         f"Load average {meta['loadavg_start'][0]:.1f} at the start, {meta['loadavg_end'][0]:.1f} at the end: other jobs "
@@ -339,6 +347,11 @@ def markdown(meta: dict, rows: list[Row]) -> str:
     for context in sorted({r.context for r in rows}):
         lines += _context_tables(meta, [r for r in rows if r.context == context], context)
     return "\n".join(lines) + "\n"
+
+
+def _env_prefix(meta: dict) -> str:
+    """``OMP_NUM_THREADS=1 `` when the run had it set (it decides OpenMP spin-waiting on a shared CPU)."""
+    return f"OMP_NUM_THREADS={meta['omp_num_threads']} " if meta.get("omp_num_threads") else ""
 
 
 def _context_tables(meta: dict, rows: list[Row], context: int) -> list[str]:

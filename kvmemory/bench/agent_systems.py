@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from transformers.generation import BaseStreamer
 
 from ..models import LoadedModel, load_model
 from ..prompt import normalize_messages, render_text
@@ -128,7 +129,7 @@ class KVMemorySystem:
         return ids + [int(torch.argmax(_masked(self.session.next_logits, self.stops)))]
 
 
-class _FirstTokenClock:
+class _FirstTokenClock(BaseStreamer):
     """A transformers streamer that records when the first generated token arrives (``put`` gets
     the prompt first, then each new token)."""
 
