@@ -323,25 +323,34 @@ class Engine(nn.Module):
         return x + layer.down(F.silu(gate) * up).to(x.dtype)
 
     # -------------------------------------------------------- one token
+    def _write_row(self, layer: int, row: torch.Tensor, k, v):
+        """Write K/V ``[kv_heads, 1, head_dim]`` into row ``row`` (LongTensor [1]) of ``layer``
+        with one index_put_ on the whole buffer. Under torch.compile a write through a view of the
+        buffer (``k_cache[i][..., pos] = k`` or ``k_cache[i].index_copy_``) is functionalised
+        into a copy of the whole buffer per layer (measured: 0.4-1.1 s per step at max_len 2128,
+        86 ms at 256); a mutation of the base itself stays in place."""
+        index = (torch.full((1, 1), layer, dtype=torch.long), torch.arange(self.n_kv)[:, None], row[None, :])
+        self.k_cache.index_put_(index, k.to(self.k_cache.dtype))
+        self.v_cache.index_put_(index, v.to(self.v_cache.dtype))
+
     def decode_step(self, token: torch.Tensor, pos):
         """One token at position ``pos`` (int, or LongTensor [1] with attention="mask"); writes
         row ``pos`` of every layer's K/V and returns fp32 logits [vocab]."""
         x = self.embed[token].to(self.act_dtype)  # [1, H]
         if self.attention == "mask":
+            row = pos
             cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
             visible = (torch.arange(self.max_len) <= pos)  # rows past pos are stale or empty
         else:
+            row = torch.arange(pos, pos + 1)
             cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
         group = self.n_heads // self.n_kv
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, self._rms(x, layer.ln1), cos, sin)
+            self._write_row(i, row, k, v)
             if self.attention == "mask":
-                self.k_cache[i].index_copy_(1, pos, k.to(self.k_cache.dtype))
-                self.v_cache[i].index_copy_(1, pos, v.to(self.v_cache.dtype))
                 keys, values = self.k_cache[i], self.v_cache[i]
             else:
-                self.k_cache[i, :, pos:pos + 1] = k
-                self.v_cache[i, :, pos:pos + 1] = v
                 keys, values = self.k_cache[i, :, :pos + 1], self.v_cache[i, :, :pos + 1]
             qg = q.reshape(self.n_kv, group, self.head_dim).to(keys.dtype)  # heads of one KV group together
             scores = torch.matmul(qg, keys.transpose(1, 2)).float() * self.scale  # [kv, group, rows]
