@@ -61,7 +61,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-# ----------------------------------------------------------------- item 1: identity
+# ------------------------------------------------------------- adapter identity
 def test_adapter_under_another_name_is_tracked_and_maintained(tokenizer):
     pm = peft_tiny({"tuned": lora(2)})
     s = KVSession(pm, tokenizer, "replay")
@@ -139,7 +139,7 @@ def test_config_adapter_only_chooses_the_restart_layers(tokenizer):
         KVSession(pm, tokenizer, reforge=ReforgeConfig(adapter="missing"))
 
 
-# ------------------------------------------------- item 2: stored states carry versions
+# ------------------------------------------------------- stored states carry versions
 def _exported(model, tokenizer, msgs=MSGS, name="tiny") -> CacheState:
     reg = ThreadCaches(model, tokenizer, "replay", model_name=name)
     with reg.lease("a") as s:

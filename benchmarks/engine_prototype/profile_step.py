@@ -1,4 +1,4 @@
-"""Item 2: where one eager decode step's time goes (fp32, DynamicCache, as kvmemory runs today).
+"""Where one eager decode step's time goes (fp32, DynamicCache, as kvmemory runs today).
 
 Three views of the same step, at context 32 and 2,000:
   * wall time of one step (median of 20);
