@@ -140,7 +140,7 @@ class _FirstTokenClock(BaseStreamer):
         self.puts.append(time.perf_counter())
 
     def end(self) -> None:
-        pass
+        """The streamer protocol's end of generation: nothing to record."""
 
 
 class ReprefillSystem:
