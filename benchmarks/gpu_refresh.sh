@@ -10,5 +10,5 @@ PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo pyt
 CONFIG=${CONFIG:-qwen3-8b}
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-benchmarks/results/gpu-${CONFIG}}
-exec "$PYTHON" -m kvmemory.cli bench refresh --random-config "$CONFIG" --device "$DEVICE" --dtype bf16 \
+exec "$PYTHON" -m kvmemory_lab.cli bench refresh --random-config "$CONFIG" --device "$DEVICE" --dtype bf16 \
     --warmup "${WARMUP:-10}" --trials "${TRIALS:-20}" --out "$OUT" "$@"

@@ -1,5 +1,5 @@
 """Held-out check of CacheReforge profiles on several update trajectories (the paper's held-out
-seeds 7, 17, 29), by exact replay (``kvmemory.reforge.trajectory.PolicyReplay``, which
+seeds 7, 17, 29), by exact replay (``kvmemory_lab.reforge.trajectory.PolicyReplay``, which
 reproduces a maintained session's KL and recomputed layers; tests/test_reforge_trajectory.py).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/reforge_heldout_replay.py \
@@ -45,10 +45,10 @@ def main() -> None:
                         help="label-calibrated profile the ceiling fit starts from")
     args = parser.parse_args()
 
-    from kvmemory.reforge.cli import add_workload_arguments, check_workload_args, load_workload
+    from kvmemory_lab.reforge.cli import add_workload_arguments, check_workload_args, load_workload
     from kvmemory.reforge.profile import ReforgeProfile
-    from kvmemory.reforge.trajectory import PolicyReplay, fit_to_budget, parse_groups
-    from kvmemory.reforge.workload import load_snapshot
+    from kvmemory_lab.reforge.trajectory import PolicyReplay, fit_to_budget, parse_groups
+    from kvmemory_lab.reforge.workload import load_snapshot
 
     wl = argparse.ArgumentParser()
     add_workload_arguments(wl)
@@ -110,7 +110,7 @@ def held_out_bank(w, args, seed: int, magnitude: float):
     """The eval-split bank of ``seed``, from ``--bank-dir`` when it holds one."""
     import torch
 
-    from kvmemory.reforge.cli import trajectory_bank
+    from kvmemory_lab.reforge.cli import trajectory_bank
 
     path = args.bank_dir / f"eval_s{seed}_p{args.prompts}_u{args.updates}_m{magnitude:g}.pt" if args.bank_dir else None
     if path is not None and path.is_file():

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 from .kvcache import PLAIN_LAYERS
-from .positions import shift_unsupported_reason
+from .shift import shift_unsupported_reason
 
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 EXACT = "kvmemory recomputes exactly after an edit"

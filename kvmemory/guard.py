@@ -23,8 +23,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import kvcache
-from .execution import forward_rows
-from .metrics import first_token_kl
+from .executors.sequential import forward_rows
+from .divergence import first_token_kl
 from .policy import RepairPolicy, RepairReport
 
 log = logging.getLogger(__name__)

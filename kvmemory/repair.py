@@ -3,7 +3,7 @@
 Every sparse arm starts from the Shift cache (paper §7.1): rows of deleted text are dropped,
 kept rows move to their new positions with their keys rotated (eq. 2), new text is prefilled at
 its place, and B = min(S, ceil(S·b/100)) stale suffix positions chosen by the allocator are
-recomputed through every layer by the executor ``policy.executor`` selects (``executors.py``:
+recomputed through every layer by the executor ``policy.executor`` selects (``executors/``:
 direct sequential for one interval, packed for several, unless overridden).
 """
 
@@ -21,10 +21,10 @@ from . import kvcache
 from .capabilities import Capabilities, cache_unsupported_reason
 from .edits import EditPlan
 from .errors import InputError
-from .execution import run_sequential
+from .executors.sequential import run_sequential
 from .executors import choose_executor, executor_label, run_refresh
 from .policy import RepairPolicy, RepairReport
-from .positions import RotaryShifter
+from .shift import RotaryShifter
 from .prompt import RenderedPrompt
 from .selection import SIGNAL_ALLOCATORS, MessageSpan, RepairSignals, SelectionInput, allowance, select, to_intervals
 

@@ -15,9 +15,9 @@ from . import kvcache
 from .capabilities import model_capabilities
 from .edits import plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
-from .execution import forward_rows
+from .executors.sequential import forward_rows
 from .policy import RepairPolicy, RepairReport
-from .positions import RotaryShifter, ShiftUnsupportedError
+from .shift import RotaryShifter, ShiftUnsupportedError
 from .prompt import (
     ChatMessage, RenderedPrompt, TemplateError, normalize_messages, normalize_tools, render_prompt, render_text,
 )

@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from kvmemory import kvcache
-from kvmemory.execution import forward_rows
+from kvmemory.executors.sequential import forward_rows
 from kvmemory.reforge import ReforgeConfig
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
 from kvmemory.session import KVSession

@@ -18,7 +18,7 @@ from kvmemory.errors import (ContextOverflowError, InputError, InputTypeError, K
                              ModelNotFoundError, UnknownMessageError)
 from kvmemory.models import LoadedModel, load_model, resolve_dtype
 from kvmemory.policy import RepairPolicy
-from kvmemory.positions import RotaryShifter
+from kvmemory.shift import RotaryShifter
 from kvmemory.session import KVSession
 from support import QUERY, history, tiny_model
 
@@ -158,7 +158,7 @@ def test_repair_refuses_a_cache_that_does_not_match_its_ids(session):
 
 
 def test_shift_and_executors_refuse_float_positions_and_integer_keys(llama):
-    from kvmemory.execution import check_positions
+    from kvmemory.executors.sequential import check_positions
 
     shifter = RotaryShifter(llama)
     with pytest.raises(InputTypeError, match="integer tensor"):
@@ -307,7 +307,7 @@ def test_checkpoint_saver_constructor_arguments(tmp_path, chat):
 
 
 def test_cli_bad_arguments_name_the_fix(tmp_path, capsys):
-    from kvmemory.cli import main
+    from kvmemory_lab.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--budget", "150"])

@@ -11,10 +11,10 @@ import types
 
 import pytest
 
-from kvmemory.bench.agent import STEPS, agent_chat
-from kvmemory.bench.agent_systems import build_session
-from kvmemory.cli import main
-from kvmemory.demo_cases import HOTPOT_FILE
+from kvmemory_lab.bench.agent import STEPS, agent_chat
+from kvmemory_lab.bench.agent_systems import build_session
+from kvmemory_lab.cli import main
+from kvmemory_lab.demo_cases import HOTPOT_FILE
 from support import tiny_model
 
 ROW_KEYS = {"system", "context", "step", "median_ms", "ttft_ms", "prefilled_tokens", "trials_ms", "decode_tok_s"}

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvmemory.cli import main
-from kvmemory.demo_cases import default_data_dir
+from kvmemory_lab.cli import main
+from kvmemory_lab.demo_cases import default_data_dir
 
 DATA = default_data_dir()
 pytestmark = [pytest.mark.real_model,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmemory.bench.refresh import refresh_positions
-from kvmemory.cli import main
+from kvmemory_lab.bench.refresh import refresh_positions
+from kvmemory_lab.cli import main
 from kvmemory.selection import to_intervals
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from kvmemory.cli import main
-from kvmemory.demo_cases import builtin_cases, default_data_dir, hotpot_cases
+from kvmemory_lab.cli import main
+from kvmemory_lab.demo_cases import builtin_cases, default_data_dir, hotpot_cases
 
 METHODS = ("dirty", "shift", "sur@2", "sur@5", "replay", "reprefill")
 

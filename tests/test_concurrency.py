@@ -14,7 +14,7 @@ from langchain_core.messages import HumanMessage
 from kvmemory import kvcache
 from kvmemory.threads import ThreadCaches
 from langchain_kvmemory.checkpointer import KVCheckpointSaver
-from langchain_kvmemory.concurrency_harness import run_case, run_concurrency_profile
+from kvmemory_lab.harness.concurrency import run_case, run_concurrency_profile
 from support import answer_graph, history, tiny_model
 
 
@@ -112,7 +112,7 @@ def test_an_evicted_thread_resumes_from_the_blob_written_when_it_was_evicted(tmp
 
 @pytest.mark.parametrize("mode", ["blobs", "reprefill"])
 def test_eight_threads_on_a_tiny_model_match_their_solo_runs_bit_for_bit(tmp_path, mode):
-    from langchain_kvmemory.concurrency_harness import _tiny
+    from kvmemory_lab.harness.concurrency import _tiny
 
     counts = run_case(_tiny(), 8, 4, mode, tmp_path, seed=1, max_tokens=6)
     assert counts["errors"] == [] and counts["mismatches"] == 0
@@ -124,7 +124,7 @@ def test_eight_threads_on_a_tiny_model_match_their_solo_runs_bit_for_bit(tmp_pat
 
 @pytest.mark.real_model
 def test_reduced_concurrency_profile_on_the_embedded_model(tmp_path, real):
-    from langchain_kvmemory import concurrency_harness
+    from kvmemory_lab.harness import concurrency as concurrency_harness
 
     counts = concurrency_harness.run_case(real, 8, 2, "blobs", tmp_path, seed=0, max_tokens=4)
     assert counts["errors"] == [] and counts["mismatches"] == 0 and counts["threads"] == 8

@@ -16,7 +16,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from kvmemory.threads import ThreadCaches
 from langchain_kvmemory.blobs import BlobStore
 from langchain_kvmemory.checkpointer import CACHE_KEY, KVCheckpointSaver
-from langchain_kvmemory.crash_harness import Journal, Life, Tally, _spawn, check_messages, run_crash_profile
+from kvmemory_lab.harness.crash import Journal, Life, Tally, _spawn, check_messages, run_crash_profile
 from support import answer_graph, tiny_model
 
 CONFIG = {"configurable": {"thread_id": "t-1"}}

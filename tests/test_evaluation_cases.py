@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmemory.demo_cases import default_data_dir
-from kvmemory.evaluation import QA_DATASETS, niah_cases, qa_cases
-from kvmemory.evaluation.niah import needle_text
+from kvmemory_lab.demo_cases import default_data_dir
+from kvmemory_lab.evaluation import QA_DATASETS, niah_cases, qa_cases
+from kvmemory_lab.evaluation.niah import needle_text
 from kvmemory.prompt import normalize_messages, render_prompt
 
 DATA = default_data_dir() or Path("/work/shared/data")

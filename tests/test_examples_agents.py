@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvmemory.demo_cases import default_data_dir
+from kvmemory_lab.demo_cases import default_data_dir
 
 AGENTS = Path(__file__).resolve().parents[1] / "examples" / "agents"
 DATA = default_data_dir()  # $KVMEMORY_DATA or ../shared/data (None: not on this machine)

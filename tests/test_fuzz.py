@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvmemory import kvcache
-from kvmemory.fuzz import MODELS, FuzzCase, ModelPool, Step, run_case, run_fuzz_profile, tiny_model
-from kvmemory.invariants import (
+from kvmemory_lab.fuzz import MODELS, FuzzCase, ModelPool, Step, run_case, run_fuzz_profile, tiny_model
+from kvmemory_lab.invariants import (
     check_session,
     fidelity_violations,
     memory_violations,

@@ -1,14 +1,14 @@
-"""Counterexamples the edit fuzzer (kvmemory.fuzz) found, each kept as a regression test.
+"""Counterexamples the edit fuzzer (kvmemory_lab.fuzz) found, each kept as a regression test.
 
 Each case is the shrunk sequence hypothesis reported, replayed with ``run_case`` (every
-invariant of kvmemory.invariants checked after every step), plus a direct test of the fixed
+invariant of kvmemory_lab.invariants checked after every step), plus a direct test of the fixed
 function where that is clearer."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvmemory.fuzz import FuzzCase, ModelPool, Step, run_case
+from kvmemory_lab.fuzz import FuzzCase, ModelPool, Step, run_case
 from kvmemory.prompt import normalize_messages, render_prompt
 from kvmemory.session import KVSession
 

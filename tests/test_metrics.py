@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvmemory.metrics import answers_agree, contains_gold, exact_match, first_token_kl, normalize_answer
+from kvmemory_lab.metrics import answers_agree, contains_gold, exact_match, first_token_kl, normalize_answer
 
 
 def test_first_token_kl_matches_hand_computation():

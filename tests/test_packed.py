@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvmemory import kvcache  # noqa: E402
-from kvmemory.execution import run_direct, run_oneshot, run_sequential  # noqa: E402
+from kvmemory.executors.sequential import run_direct, run_oneshot, run_sequential  # noqa: E402
 from kvmemory.executors import choose_executor  # noqa: E402
-from kvmemory.packed import PackedUnsupportedError, packed_unsupported_reason, run_packed  # noqa: E402
+from kvmemory.executors.packed import PackedUnsupportedError, packed_unsupported_reason, run_packed  # noqa: E402
 from kvmemory.policy import RepairPolicy  # noqa: E402
 from kvmemory.selection import to_intervals  # noqa: E402
 from support import QUERY, history, prepared, replaced, tiny_model, without  # noqa: E402
@@ -239,7 +239,7 @@ class _ScaledLinear(torch.nn.Linear):
 def _edited_long_prompt(model, n=480):
     """A prefilled random-token prompt of n tokens and the same prompt with the 64 positions of 16
     spread runs of 4 (the last ending at n-1) replaced: those rows are stale and must change."""
-    from kvmemory.execution import forward_rows
+    from kvmemory.executors.sequential import forward_rows
 
     ids = torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(0))
     cache = kvcache.new_cache(model.config)
@@ -256,7 +256,7 @@ def test_multi_tile_attention_and_mlp_paths_equal_sequential(family, wrapped_mlp
     """64 spread rows: the SDPA plan has several row tiles (each with its own key range) and the MLP
     runs by columns on plain linears or through the module on wrapped ones; K/V at every layer and
     the logits match the sequential executor (1e-4), unselected rows are bit-identical."""
-    from kvmemory.packed import _is_plain_mlp, row_tiles
+    from kvmemory.executors.packed import _is_plain_mlp, row_tiles
 
     model = tiny_model(family)
     if wrapped_mlp:
@@ -283,7 +283,7 @@ def test_multi_tile_attention_and_mlp_paths_equal_sequential(family, wrapped_mlp
 
 
 def test_row_tiles_cover_the_rows_and_skip_future_keys():
-    from kvmemory.packed import TILE_MAX_ROWS, row_tiles
+    from kvmemory.executors.packed import TILE_MAX_ROWS, row_tiles
 
     assert row_tiles(torch.tensor([7])) == [(0, 1)]
     assert row_tiles(torch.arange(992, 1056)) == [(0, 64)]  # one short interval: one tile
@@ -299,7 +299,7 @@ def test_row_tiles_cover_the_rows_and_skip_future_keys():
 
 def test_boolean_masks_for_huge_refreshes_give_the_same_rows(monkeypatch):
     """Past ADDITIVE_MASK_LIMIT mask elements the tiles keep 1-byte boolean masks: same K/V."""
-    from kvmemory import packed
+    from kvmemory.executors import packed
 
     model = tiny_model("llama")
     cache, ids, positions = _edited_long_prompt(model)
@@ -312,7 +312,7 @@ def test_boolean_masks_for_huge_refreshes_give_the_same_rows(monkeypatch):
 
 
 def test_row_tiles_for_many_one_token_intervals_use_row_steps():
-    from kvmemory.packed import TILE_MAX_ROWS, TILE_ROW_STEP, row_tiles
+    from kvmemory.executors.packed import TILE_MAX_ROWS, TILE_ROW_STEP, row_tiles
 
     tiles = row_tiles(torch.arange(0, 4000, 2))  # 2000 one-token intervals
     assert all(a % TILE_ROW_STEP == 0 and b - a <= TILE_MAX_ROWS for a, b in tiles) and tiles[-1][1] == 2000

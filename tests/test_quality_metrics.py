@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvmemory.evaluation import paired_bootstrap
-from kvmemory.metrics import (
+from kvmemory_lab.evaluation import paired_bootstrap
+from kvmemory_lab.metrics import (
     drop_normalize,
     extract_answer,
     first_token_kl,

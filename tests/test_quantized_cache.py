@@ -18,8 +18,8 @@ from transformers import QuantizedCache
 from transformers.cache_utils import Cache, QuantizedLayer
 
 from kvmemory import kvcache
-from kvmemory.execution import forward_rows
-from kvmemory.invariants import memory_violations
+from kvmemory.executors.sequential import forward_rows
+from kvmemory_lab.invariants import memory_violations
 from kvmemory.reforge.state import ReforgeConfig
 from kvmemory.session import KVSession
 from support import QUERY, history, tiny_model, without

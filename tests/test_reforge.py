@@ -7,10 +7,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from kvmemory.metrics import first_token_kl
+from kvmemory.divergence import first_token_kl
 from kvmemory.reforge import ReforgeConfig, capture_adapter, decide, restart_layers
-from kvmemory.reforge.analysis import certificates, horizon_table, hybrid_executions, tail_influence
-from kvmemory.reforge.calibration import (
+from kvmemory_lab.reforge.analysis import certificates, horizon_table, hybrid_executions, tail_influence
+from kvmemory_lab.reforge.calibration import (
     WindowScores, build_profile, candidate_windows, condition_result, first_safe_window, lower_tail_statistic,
 )
 from kvmemory.reforge.online import OnlineAdapter
@@ -284,7 +284,7 @@ def test_online_update_maintains_every_registered_session(tokenizer):
 # --------------------------------------------------------------- real model
 @pytest.fixture(scope="module")
 def real_lora(real):
-    from kvmemory.reforge.workload import attach_lora
+    from kvmemory_lab.reforge.workload import attach_lora
 
     model, target, _ = attach_lora(real.model, "v_proj", 15, 8, 16)
     yield model, target

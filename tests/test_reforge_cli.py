@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmemory.bench import BENCHMARKS
-from kvmemory.cli import build_parser, main
-from kvmemory.demo_cases import default_data_dir
+from kvmemory_lab.bench import BENCHMARKS
+from kvmemory_lab.cli import build_parser, main
+from kvmemory_lab.demo_cases import default_data_dir
 from kvmemory.reforge.profile import ReforgeProfile
 
 ROOT_PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "reforge_profiles" / "calib16_gaps1-4-16.json"
@@ -23,7 +23,7 @@ def test_commands_are_registered():
 
 
 def test_calibration_gaps_and_starts_override_the_plan():
-    from kvmemory.reforge.cli import calibration_plan
+    from kvmemory_lab.reforge.cli import calibration_plan
 
     args = build_parser().parse_args(["calibrate", "--gaps", "1,2,4,8,16", "--starts", "0,8"])
     assert calibration_plan(False, args) == {"updates": 32, "starts": (0, 8), "gaps": (1, 2, 4, 8, 16)}
@@ -37,8 +37,8 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     assert "hotpotqa" in capsys.readouterr().out
     assert main(["bench", "reforge", "--rank", "0"]) == 2
     assert main(["calibrate", "--updates", "0"]) == 2
-    from kvmemory.demo_cases import HOTPOT_FILE
-    from kvmemory.reforge.workload import WIKI_FILE
+    from kvmemory_lab.demo_cases import HOTPOT_FILE
+    from kvmemory_lab.reforge.workload import WIKI_FILE
 
     data = tmp_path / "data"  # the fit options are checked after the data folder
     for f in (HOTPOT_FILE, WIKI_FILE):
@@ -95,7 +95,7 @@ def test_scaled_profile_moves_every_trigger_distance():
 
 
 def test_risk_scales_option_and_sweep_table():
-    from kvmemory.bench.reforge import _risk_scales, _sweep_lines
+    from kvmemory_lab.bench.reforge import _risk_scales, _sweep_lines
 
     assert _risk_scales("0.5, 2") == [0.5, 2.0] and _risk_scales("") == []
     for bad in ("x", "0,1", "-1"):

@@ -1,4 +1,4 @@
-"""Trajectory fit of CacheReforge sensitivities (kvmemory.reforge.trajectory): the replay must
+"""Trajectory fit of CacheReforge sensitivities (kvmemory_lab.reforge.trajectory): the replay must
 reproduce what a maintained session does (KL and recomputed layers), and the fit must respect
 its budget."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmemory.metrics import first_token_kl
+from kvmemory.divergence import first_token_kl
 from kvmemory.reforge import ReforgeConfig
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
-from kvmemory.reforge.trajectory import PolicyReplay, build_bank, fit_to_budget, parse_groups, window_groups
-from kvmemory.reforge.workload import load_snapshot, trainable_snapshot
+from kvmemory_lab.reforge.trajectory import PolicyReplay, build_bank, fit_to_budget, parse_groups, window_groups
+from kvmemory_lab.reforge.workload import load_snapshot, trainable_snapshot
 from kvmemory.session import KVSession
 from support import QUERY, history
 from test_reforge import LAYERS, lora_tiny, nudge
@@ -134,7 +134,7 @@ def test_bank_refuses_a_model_without_lora(tokenizer):
 
 @pytest.mark.real_model
 def test_replay_matches_sessions_on_the_real_model(real, tokenizer):
-    from kvmemory.reforge.workload import attach_lora
+    from kvmemory_lab.reforge.workload import attach_lora
 
     model, _, _ = attach_lora(real.model, "v_proj", 15, 8, 16)
     try:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvmemory import kvcache
-from kvmemory.execution import run_sequential
+from kvmemory.executors.sequential import run_sequential
 from kvmemory.policy import RepairPolicy
 from kvmemory.selection import allowance
 from kvmemory.session import KVSession
@@ -150,7 +150,7 @@ def _mask(spans, n):
 def test_near_full_refresh_approaches_reprefill_on_real_model(real):
     """On the real model, Shift differs from Re-prefill and refreshing 90 % of the stale rows
     (dense-token control) brings the first-token distribution much closer."""
-    from kvmemory.metrics import first_token_kl
+    from kvmemory.divergence import first_token_kl
 
     base = prepared(real.model, real.tokenizer, history())
     new = without(history(), "a2", "t2") + [QUERY]

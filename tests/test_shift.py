@@ -28,7 +28,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kvmemory.positions import RotaryShifter, ShiftUnsupportedError, shift_unsupported_reason
+from kvmemory.shift import RotaryShifter, ShiftUnsupportedError, shift_unsupported_reason
 
 HEAD_DIM = 16
 N_TOKENS = 64

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvmemory.evaluation.decoding import _proposal, verified_greedy
+from kvmemory_lab.evaluation.decoding import _proposal, verified_greedy
 from kvmemory.policy import RepairPolicy
 from support import history, prepared, without
 

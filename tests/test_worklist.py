@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from kvmemory.bench.worklist import append_record, claim, done_ids, release
+from kvmemory_lab.bench.worklist import append_record, claim, done_ids, release
 
 
 def _dead_pid() -> int:

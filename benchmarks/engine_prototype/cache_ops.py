@@ -26,8 +26,8 @@ import torch
 import common
 from engine import Engine
 from kvmemory import kvcache
-from kvmemory.execution import forward_rows
-from kvmemory.positions import RotaryShifter
+from kvmemory.executors.sequential import forward_rows
+from kvmemory.shift import RotaryShifter
 
 
 def timed3(fn):

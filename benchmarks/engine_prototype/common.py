@@ -36,7 +36,7 @@ torch.set_num_threads(int(os.environ.get("PROTO_THREADS", "2")))
 from transformers import DynamicCache  # noqa: E402
 
 from kvmemory import kvcache  # noqa: E402
-from kvmemory.execution import forward_rows  # noqa: E402
+from kvmemory.executors.sequential import forward_rows  # noqa: E402
 from kvmemory.models import load_model  # noqa: E402
 
 CONTEXTS = (32, 2000)

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .execution import ForwardResult, run_direct, run_sequential
+from .sequential import ForwardResult, run_direct, run_sequential
 from .packed import packed_unsupported_reason, run_packed
 
 log = logging.getLogger(__name__)

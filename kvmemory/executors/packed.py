@@ -15,7 +15,7 @@ another order (Appendix 13.2), equal up to floating-point reduction order.
 
 Supported: dense Llama, Mistral, Qwen2 and Qwen3 decoders in eval mode, full attention, a static
 RoPE, batch 1, one device. :func:`packed_unsupported_reason` says why anything else is refused;
-callers then use the sequential executor (see ``executors.py``).
+callers then use the sequential executor (see ``executors/__init__.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from . import kvcache
-from .capabilities import model_capabilities
-from .execution import ForwardResult, check_positions, grow_to
+from .. import kvcache
+from ..capabilities import model_capabilities
+from .sequential import ForwardResult, check_positions, grow_to
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PACKED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # angles depend on the position only
@@ -210,7 +210,7 @@ def _backend(name: str, positions: torch.Tensor, device: torch.device, dtype: to
         values.index_copy_(2, pos, v)
 
     if name == "triton":
-        from . import kernels  # ImportError names `pip install 'kvmemory[triton]'`
+        from .. import kernels  # ImportError names `pip install 'kvmemory[triton]'`
 
         kernels.check_available(device)
         plan = kernels.build_plan(positions, device)

@@ -20,8 +20,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from . import kvcache
-from .errors import InputTypeError
+from .. import kvcache
+from ..errors import InputTypeError
 
 
 @dataclass

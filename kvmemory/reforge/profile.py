@@ -51,7 +51,7 @@ class ReforgeProfile(BaseModel):
     tail_quantile: float = 0.05
     conditions: list[ConditionResult] = Field(default_factory=list)
     fit: dict | None = Field(default=None, description="trajectory fit for a recompute budget "
-                             "(kvmemory.reforge.trajectory): budget, group δs, calibration KL and recompute %")
+                             "(kvmemory_lab.reforge.trajectory): budget, group δs, calibration KL and recompute %")
 
     def scaled(self, alpha: float) -> "ReforgeProfile":
         """A copy whose sensitivities are ``alpha`` × s_ℓ (δ_ℓ / alpha): the runtime risk q_ℓ = s_ℓ·d_ℓ

@@ -21,7 +21,7 @@ import torch
 
 from .. import kvcache
 from ..capabilities import cache_unsupported_reason
-from ..execution import forward_rows
+from ..executors.sequential import forward_rows
 from .profile import ReforgeProfile
 from .recovery import decoder_of, embed, overwrite_layers, run_layers
 from .restart import BoundaryStore, target_boundaries

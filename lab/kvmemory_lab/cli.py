@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_benchmarks(sub) -> None:
-    """``kvmemory bench <name>``: one sub-command per module registered in kvmemory.bench."""
+    """``kvmemory bench <name>``: one sub-command per module registered in kvmemory_lab.bench."""
     import importlib
 
     from .bench import BENCHMARKS, bench_module
@@ -83,9 +83,9 @@ def run_demo(args) -> int:
 
     from .demo import aggregate, demo_policies, run_case, write_json
     from .demo_cases import builtin_cases, default_data_dir, hotpot_cases
-    from .errors import KVMemoryError
-    from .models import load_model
-    from .session import KVSession
+    from kvmemory.errors import KVMemoryError
+    from kvmemory.models import load_model
+    from kvmemory.session import KVSession
 
     problem = _check_demo_args(args)
     if problem:

@@ -16,8 +16,8 @@ from statistics import mean
 
 from .demo_cases import DemoCase
 from .metrics import answers_agree, contains_gold, exact_match, first_token_kl
-from .policy import RepairPolicy
-from .session import KVSession
+from kvmemory.policy import RepairPolicy
+from kvmemory.session import KVSession
 
 
 def demo_policies(budgets: list[float]) -> dict[str, RepairPolicy]:

@@ -1,5 +1,5 @@
 """Property-based edit fuzzing (issue 7, item 1): hypothesis generates random edit sequences,
-kvmemory repairs the cache after every step, and the invariants of :mod:`kvmemory.invariants`
+kvmemory repairs the cache after every step, and the invariants of :mod:`kvmemory_lab.invariants`
 are checked after every step.
 
 A sequence (:class:`FuzzCase`) is a model, a starting message list and up to 6 :class:`Step`s:
@@ -16,7 +16,7 @@ generated sequence is valid and shrinks to a short one.
 Models: tiny random-weight Llama / Qwen2 / Qwen3 configs that share the embedded model's
 tokenizer and chat template (fast, most sequences), a tiny Llama with a LoRA adapter (so
 CacheReforge retains boundary states) and the embedded SmolLM2-135M-Instruct.
-``python -m kvmemory.fuzz`` is not provided; run ``kvmemory bench reliability --profiles fuzz``.
+``python -m kvmemory_lab.fuzz`` is not provided; run ``kvmemory bench reliability --profiles fuzz``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 import torch
 
-from .executors import EXECUTORS
+from kvmemory.executors import EXECUTORS
 from .invariants import check_session, registry_violations, state_violations
-from .policy import RepairPolicy
-from .selection import ALLOCATOR_NAMES
+from kvmemory.policy import RepairPolicy
+from kvmemory.selection import ALLOCATOR_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class ModelPool:
 
     def embedded(self):
         if self._embedded is None:
-            from .models import load_model
+            from kvmemory.models import load_model
 
             self._embedded = load_model(None)
         return self._embedded
@@ -249,7 +249,7 @@ def run_case(case: FuzzCase, pool: ModelPool, *, fidelity: bool = True) -> Seque
     invariants (a)–(d) after every step (and memory accounting of the registry and of an
     exported ``CacheState``). An exception from kvmemory is a violation too (it is recorded with
     its step; the sequence stops there)."""
-    from .threads import ThreadCaches
+    from kvmemory.threads import ThreadCaches
 
     model, tokenizer = pool.get(case.model)
     caches = ThreadCaches(model, tokenizer, memory_budget_bytes=None)
@@ -376,7 +376,7 @@ def fuzz_model(model: str, examples: int, *, seed: int, pool: ModelPool, stats: 
 
 def run_fuzz_profile(size: str, *, seed: int = 0, workdir: Path | None = None, progress: bool = False,
                      models: tuple[str, ...] = MODELS, pool: ModelPool | None = None) -> dict:
-    """The ``fuzz`` profile of ``kvmemory bench reliability`` (see ``integrations/reliability_bench.py``).
+    """The ``fuzz`` profile of ``kvmemory bench reliability`` (see :mod:`kvmemory_lab.bench.reliability`).
 
     Args:
         size: ``"reduced"`` (``make test``: a few sequences per tiny model) or ``"full"``

@@ -29,9 +29,9 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from . import kvcache
-from .policy import RepairPolicy
-from .prompt import ChatMessage, TemplateError, normalize_messages, render_prompt
+from kvmemory import kvcache
+from kvmemory.policy import RepairPolicy
+from kvmemory.prompt import ChatMessage, TemplateError, normalize_messages, render_prompt
 
 FIDELITY_ATOL = 1e-4  # fp32 equality tolerance for logits and exact rows (issue 7)
 

@@ -1,4 +1,4 @@
-"""Fidelity metrics against Re-prefill and answer scoring."""
+"""Answer scoring and fidelity metrics against Re-prefill (the runtime's first-token KL re-exported)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,7 @@ from typing import Sequence
 
 import torch
 
-
-def first_token_kl(reference_logits: torch.Tensor, method_logits: torch.Tensor) -> float:
-    """KL(p_reference ‖ p_method) in nats between two next-token distributions.
-
-    Args:
-        reference_logits, method_logits: ``[vocab]`` logits (any float dtype; computed in fp32).
-
-    Raises:
-        ValueError: shapes differ.
-    """
-    if reference_logits.shape != method_logits.shape:
-        raise ValueError(f"logit shapes differ: {tuple(reference_logits.shape)} vs {tuple(method_logits.shape)}")
-    log_p = torch.log_softmax(reference_logits.float(), dim=-1)
-    log_q = torch.log_softmax(method_logits.float(), dim=-1)
-    return float(torch.sum(log_p.exp() * (log_p - log_q)).clamp(min=0.0))
+from kvmemory.divergence import first_token_kl  # noqa: F401  (scored beside the answers)
 
 
 def normalize_answer(text: str) -> str:

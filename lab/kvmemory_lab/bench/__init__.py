@@ -1,20 +1,17 @@
 """Benchmarks behind ``kvmemory bench <name>``.
 
-Each benchmark lives in its own module and exposes ``add_arguments(parser)`` and
-``run(args, console) -> int`` (exit status). Register a new one in :data:`BENCHMARKS`; the CLI
-imports a module only when its benchmark runs. A module name without a dot is a module of this
-package; a dotted name is imported as written (benchmarks that need LangChain live in
-``langchain_kvmemory``, because the core never imports it).
+Each benchmark lives in its own module of this package and exposes ``add_arguments(parser)``
+and ``run(args, console) -> int`` (exit status). Register a new one in :data:`BENCHMARKS`; the
+CLI imports a module only when its benchmark runs.
 """
 
 from __future__ import annotations
 
-# name -> (module under kvmemory.bench, or a dotted module path; one-line help)
+# name -> (module under kvmemory_lab.bench, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "refresh": ("refresh", "refresh timing: sequential, direct, one-shot and packed executors (paper §4.4)"),
     "reforge": ("reforge", "CacheReforge: 32 LoRA updates, six cache-maintenance methods vs fresh prefill"),
-    "reliability": ("langchain_kvmemory.reliability_bench",
-                    "reliability: fuzzed edit sequences, SIGKILL crash safety, concurrent threads (report)"),
+    "reliability": ("reliability", "reliability: fuzzed edit sequences, SIGKILL crash safety, concurrent threads (report)"),
     "agent": ("agent", "agent hops side by side: kvmemory vs transformers Re-prefill vs llama.cpp (ms, TTFT, decode tok/s)"),
     "quality": ("quality", "repair fidelity on Erasing-NIAH / multi-hop QA: 14 allocators x budgets, paired bootstrap"),
 }
@@ -22,4 +19,4 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 def bench_module(name: str) -> str:
     """Absolute import path of a registered benchmark module ``name`` (a key's first field)."""
-    return name if "." in name else f"kvmemory.bench.{name}"
+    return f"kvmemory_lab.bench.{name}"

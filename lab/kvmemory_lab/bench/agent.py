@@ -17,7 +17,7 @@ Every answer is exactly ``--answer-tokens`` greedy tokens (stop tokens masked, s
 does the same decoding work). Systems run side by side in one process, trials interleaved
 (system A trial 1, system B trial 1, ..., then trial 2); medians over ``--trials``. Output:
 ``agent.json`` (meta + one row per system, context and step), ``agent.md`` and ``agent.png``.
-The systems are in :mod:`kvmemory.bench.agent_systems`.
+The systems are in :mod:`kvmemory_lab.bench.agent_systems`.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT, DemoCase, Passage, default_data_dir, hotpot_cases
-from ..errors import KVMemoryError, ModelNotFoundError
-from ..models import embedded_gguf_path
-from ..policy import RepairPolicy
-from ..prompt import format_call, normalize_messages, render_text, template_renders_tools
+from kvmemory.errors import KVMemoryError, ModelNotFoundError
+from kvmemory.models import embedded_gguf_path
+from kvmemory.policy import RepairPolicy
+from kvmemory.prompt import format_call, normalize_messages, render_text, template_renders_tools
 from .agent_systems import (
     KVMemorySystem, LlamaCppSystem, ModelPool, ReprefillSystem, llama_cpp_missing,
 )

@@ -25,9 +25,9 @@ from typing import Any, Sequence
 import torch
 from transformers.generation import BaseStreamer
 
-from ..models import LoadedModel, load_model
-from ..prompt import normalize_messages, render_text
-from ..session import KVSession, stop_token_ids
+from kvmemory.models import LoadedModel, load_model
+from kvmemory.prompt import normalize_messages, render_text
+from kvmemory.session import KVSession, stop_token_ids
 
 # keys a kvmemory configuration may carry; engine options (quantized cache, compiled decode)
 # join here, each turned into a KVSession argument by build_session

@@ -34,9 +34,9 @@ from ..metrics import (
     normalized_recovery,
     qa_exact_match,
 )
-from ..policy import RepairPolicy
-from ..selection import ALLOCATOR_NAMES, allowance, shared_signals
-from ..session import KVSession
+from kvmemory.policy import RepairPolicy
+from kvmemory.selection import ALLOCATOR_NAMES, allowance, shared_signals
+from kvmemory.session import KVSession
 from .quality_report import write_outputs
 from .worklist import append_record, claim, done_ids, release
 
@@ -217,7 +217,7 @@ def load_records(path: Path) -> list[dict]:
 def run(args, console) -> int:
     from tqdm import tqdm
 
-    from ..models import load_model
+    from kvmemory.models import load_model
 
     settings = _settings(args)
     shard, shards = _parse_shard(args.shard)

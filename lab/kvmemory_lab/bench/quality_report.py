@@ -8,7 +8,7 @@ from statistics import mean, median
 
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
 from ..metrics import contains_gold
-from ..selection import ALLOCATOR_TITLES
+from kvmemory.selection import ALLOCATOR_TITLES
 from .common import agg_pyplot
 
 REFERENCE_NAMES = ("dirty", "shift", "replay", "reprefill")

@@ -40,7 +40,7 @@ def add_arguments(parser) -> None:
 
 def run(args, console) -> int:
     from ..reforge.cli import calibration_plan, check_workload_args, load_workload, run_calibration
-    from ..reforge.profile import ProfileKey, ReforgeProfile
+    from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
     from ..reforge.cli import context_regime
 
     problem = check_workload_args(args)
@@ -123,8 +123,8 @@ def _scaled_name(alpha: float) -> str:
 
 
 def _start_sessions(w, profile, sample, v0, load_snapshot, scales=()) -> dict:
-    from ..reforge.state import ReforgeConfig
-    from ..session import KVSession
+    from kvmemory.reforge.state import ReforgeConfig
+    from kvmemory.session import KVSession
 
     load_snapshot(w.model, v0)
     base = KVSession(w.model, w.tokenizer, "replay", reforge=ReforgeConfig(policy="exact_suffix"))
@@ -146,10 +146,10 @@ def _step(w, sessions, sample, traj, scored: bool) -> None:
     then every method maintains its own cache."""
     import torch
 
-    from .. import kvcache
-    from ..execution import forward_rows
+    from kvmemory import kvcache
+    from kvmemory.executors.sequential import forward_rows
     from ..metrics import first_token_kl, token_f1
-    from ..session import KVSession
+    from kvmemory.session import KVSession
 
     ids = torch.tensor(sessions["stale"].token_ids)
     cache = kvcache.new_cache(w.model.config)

@@ -101,7 +101,7 @@ def refresh_positions(n: int, intervals: int, b: int) -> list[int]:
 
 
 def run(args, console) -> int:
-    from ..models import resolve_dtype
+    from kvmemory.models import resolve_dtype
 
     torch.set_num_threads(args.threads)
     if args.trials < 1 or args.warmup < 0 or args.positions < 1:
@@ -138,7 +138,7 @@ def _load(args, device, dtype):
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return model.eval(), f"random {args.random_config}"
-    from ..models import load_model
+    from kvmemory.models import load_model
 
     lm = load_model(args.model, dtype)
     return lm.model.to(device), lm.name
@@ -150,9 +150,9 @@ def shifted_cache(model, n: int, seed: int, device):
     Returns:
         ``(cache, token_ids)``: N rows, LongTensor ``[N]`` on ``device``.
     """
-    from .. import kvcache
-    from ..execution import forward_rows
-    from ..positions import RotaryShifter
+    from kvmemory import kvcache
+    from kvmemory.executors.sequential import forward_rows
+    from kvmemory.shift import RotaryShifter
 
     g = torch.Generator().manual_seed(seed + n)
     vocab = model.config.get_text_config().vocab_size
@@ -173,10 +173,10 @@ def shifted_cache(model, n: int, seed: int, device):
 
 def _executor(name: str, model, ids, positions):
     """A function cache -> refreshed independent cache for executor ``name``."""
-    from .. import kvcache
-    from ..execution import run_direct, run_oneshot, run_sequential
-    from ..packed import run_packed
-    from ..selection import to_intervals
+    from kvmemory import kvcache
+    from kvmemory.executors.sequential import run_direct, run_oneshot, run_sequential
+    from kvmemory.executors.packed import run_packed
+    from kvmemory.selection import to_intervals
 
     intervals = to_intervals(positions)
     pos = torch.tensor(positions)

@@ -3,12 +3,12 @@
 Three profiles, each a function ``run_<name>_profile(size, *, seed, workdir, progress) -> dict``
 in its own module (imported only when the profile runs, so ``kvmemory --help`` stays light):
 
-- ``fuzz`` (:mod:`kvmemory.fuzz`): hypothesis-generated edit sequences on a tiny random-weight
+- ``fuzz`` (:mod:`kvmemory_lab.fuzz`): hypothesis-generated edit sequences on a tiny random-weight
   model and on the embedded model; invariants checked after every step.
-- ``crash`` (:mod:`langchain_kvmemory.crash_harness`): a child process writing checkpoints and KV
+- ``crash`` (:mod:`kvmemory_lab.harness.crash`): a child process writing checkpoints and KV
   blobs is SIGKILLed at random points; every restart must keep the messages and either resume
   from a verified blob or re-prefill with a logged reason.
-- ``concurrency`` (:mod:`langchain_kvmemory.concurrency_harness`): N ≥ 8 LangGraph threads driven
+- ``concurrency`` (:mod:`kvmemory_lab.harness.concurrency`): N ≥ 8 LangGraph threads driven
   concurrently against one model and one saver under a memory budget.
 
 ``size`` is ``"reduced"`` (the profile ``make test`` runs) or ``"full"`` (this benchmark). Each
@@ -27,9 +27,9 @@ from pathlib import Path
 
 # profile -> (module, function)
 PROFILES: dict[str, tuple[str, str]] = {
-    "fuzz": ("kvmemory.fuzz", "run_fuzz_profile"),
-    "crash": ("langchain_kvmemory.crash_harness", "run_crash_profile"),
-    "concurrency": ("langchain_kvmemory.concurrency_harness", "run_concurrency_profile"),
+    "fuzz": ("kvmemory_lab.fuzz", "run_fuzz_profile"),
+    "crash": ("kvmemory_lab.harness.crash", "run_crash_profile"),
+    "concurrency": ("kvmemory_lab.harness.concurrency", "run_concurrency_profile"),
 }
 # the counts the issue asks the report to carry, per profile (a profile may return more)
 REPORT_KEYS: dict[str, tuple[str, ...]] = {

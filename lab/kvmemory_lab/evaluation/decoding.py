@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import kvcache
-from ..execution import forward_rows
-from ..session import Generation, KVSession
+from kvmemory import kvcache
+from kvmemory.executors.sequential import forward_rows
+from kvmemory.session import Generation, KVSession
 
 
 def verified_greedy(session: KVSession, draft: Sequence[int], max_new_tokens: int,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pysbd
 
-from ..prompt import normalize_messages, render_prompt
+from kvmemory.prompt import normalize_messages, render_prompt
 from .cases import EvalCase
 
 HAYSTACK_DIR = Path("niah_haystack") / "PaulGrahamEssays"

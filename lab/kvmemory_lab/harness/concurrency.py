@@ -88,8 +88,8 @@ class Run:
                  drops: dict[str, set[int]] | None = None):
         from langgraph.graph import START, MessagesState, StateGraph
 
-        from . import ChatKVMemory
-        from .checkpointer import KVCheckpointSaver
+        from langchain_kvmemory import ChatKVMemory
+        from langchain_kvmemory.checkpointer import KVCheckpointSaver
 
         self.chat = ChatKVMemory(model=loaded, max_tokens=max_tokens, memory_budget_bytes=budget,
                                  repair_policy=policy)
@@ -252,7 +252,7 @@ def run_case(loaded, threads: int, turns: int, mode: str, work: Path, *, seed: i
     needed (prompt + answer + slack rows), so about that many threads stay live and the others are
     evicted.
     """
-    from .chat_model import RESERVE_SLACK
+    from langchain_kvmemory.chat_model import RESERVE_SLACK
 
     work.mkdir(parents=True, exist_ok=True)
     tids = [f"conc-{i}" for i in range(threads)]

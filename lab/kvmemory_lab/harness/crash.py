@@ -2,7 +2,7 @@
 that writes checkpoints and KV blobs, many times, and check every restart.
 
 A child process (forked from a forkserver that imported torch, transformers and LangGraph once;
-by hand: ``python -m langchain_kvmemory.crash_harness child ...``) runs a LangGraph graph
+by hand: ``python -m kvmemory_lab.harness.crash child ...``) runs a LangGraph graph
 whose node calls :class:`~langchain_kvmemory.ChatKVMemory`, checkpointed by KVCheckpointSaver on
 SQLite, through a scripted, seeded workload on two thread ids: turns, same-id replacements,
 message removals and clears. It writes a journal line before and after every operation. The
@@ -203,7 +203,7 @@ def _install_kill_point(point: str | None, hit: int, saver, events: Path):
         os.replace = replace
         return lambda: setattr(os, "replace", real_replace)
     elif point == "before_checkpoint":  # the blob is in place, the checkpoint naming it is not
-        from .checkpointer import CACHE_KEY
+        from langchain_kvmemory.checkpointer import CACHE_KEY
 
         inner, real_put = saver.saver, saver.saver.put
 
@@ -237,7 +237,7 @@ def _emit(events: Path, **event) -> None:
 
 def child_main(argv: list[str] | None = None) -> int:
     """One life of the writing process: restart checks, then operations until killed (or ``--ops``)."""
-    p = argparse.ArgumentParser(prog="crash_harness child")
+    p = argparse.ArgumentParser(prog="kvmemory_lab.harness.crash child")
     p.add_argument("--db", type=Path, required=True)
     p.add_argument("--journal", type=Path, required=True)
     p.add_argument("--events", type=Path, required=True)
@@ -255,8 +255,8 @@ def child_main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from . import ChatKVMemory
-    from .checkpointer import KVCheckpointSaver
+    from langchain_kvmemory import ChatKVMemory
+    from langchain_kvmemory.checkpointer import KVCheckpointSaver
 
     torch.set_num_threads(1)
     chat = ChatKVMemory(model=_load(args.model), max_tokens=MAX_TOKENS, memory_budget_bytes=None)
@@ -411,7 +411,7 @@ def _stored_refs(db: Path) -> dict[str, str]:
     """sha256 of the newest blob each thread's latest checkpoint names (where it names one)."""
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from .checkpointer import CACHE_KEY
+    from langchain_kvmemory.checkpointer import CACHE_KEY
 
     refs = {}
     if not db.is_file():
@@ -489,7 +489,7 @@ def _spawn(life: Life, work: Path, seed: int, ops: int | None = None, timeout_s:
 
 _CONTEXT = []
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "langgraph.graph",
-           "langgraph.checkpoint.sqlite", "langchain_kvmemory", "langchain_kvmemory.crash_harness"]
+           "langgraph.checkpoint.sqlite", "langchain_kvmemory", "kvmemory_lab.harness.crash"]
 
 
 def _processes():
@@ -598,7 +598,7 @@ def _orphans(db: Path, blob_dir: Path) -> int:
     """Files left in the store that no checkpoint names (temporary files included)."""
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from .checkpointer import CACHE_KEY
+    from langchain_kvmemory.checkpointer import CACHE_KEY
 
     with SqliteSaver.from_conn_string(str(db)) as saver:
         named = {t.metadata[CACHE_KEY]["sha256"] for t in saver.list(None) if CACHE_KEY in (t.metadata or {})}
@@ -659,5 +659,5 @@ def run_crash_profile(size: str, *, seed: int, workdir: Path, progress: bool = F
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         sys.exit(child_main(sys.argv[2:]))
-    print("usage: python -m langchain_kvmemory.crash_harness child --db ... (started by run_crash_profile)")
+    print("usage: python -m kvmemory_lab.harness.crash child --db ... (started by run_crash_profile)")
     sys.exit(2)

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kvcache
-from ..execution import forward_rows
+from kvmemory import kvcache
+from kvmemory.executors.sequential import forward_rows
 from ..metrics import first_token_kl
-from .recovery import embed, run_layers
-from .versions import AdapterState
+from kvmemory.reforge.recovery import embed, run_layers
+from kvmemory.reforge.versions import AdapterState
 
 
 @dataclass

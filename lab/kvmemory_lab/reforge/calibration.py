@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..execution import forward_rows
+from kvmemory.executors.sequential import forward_rows
 from ..metrics import first_token_kl, token_f1
 from .analysis import HybridRun, hybrid_executions, horizon_table
-from .profile import ConditionResult, ProfileKey, ReforgeProfile
+from kvmemory.reforge.profile import ConditionResult, ProfileKey, ReforgeProfile
 
 WINDOWS = (0, 1, 2, 4, 8, 16)
 THRESHOLDS = {"kl": 0.05, "top1": 0.99, "score_drop": 0.01}
@@ -159,7 +159,7 @@ def calibrate(model, tokenizer, samples, versions, key: ProfileKey, *, gaps=(1, 
     Raises:
         ValueError: no condition fits the trajectory.
     """
-    from .versions import capture_adapter
+    from kvmemory.reforge.versions import capture_adapter
 
     num_layers = model.config.get_text_config().num_hidden_layers
     pairs = [(a, a + g, g) for a in starts for g in gaps if a + g < len(versions)]

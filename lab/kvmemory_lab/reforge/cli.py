@@ -43,7 +43,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from this label-calibrated profile instead of running the window calibration")
     parser.add_argument("--fit-budget", type=float, default=None,
                         help="fit one δ per group (--fit-groups) on calibration trajectories for this recomputed-layer "
-                        "budget (%% of layers per update; kvmemory.reforge.trajectory); default: the paper's "
+                        "budget (%% of layers per update; kvmemory_lab.reforge.trajectory); default: the paper's "
                         "labelled δ")
     parser.add_argument("--fit-seeds", type=_ints, default=(53, 61),
                         help="calibration trajectory seeds for --fit-budget (default 53,61, the paper's)")
@@ -113,7 +113,7 @@ def check_workload_args(args) -> str | None:
 
 
 def load_workload(args, console) -> Workload:
-    from ..models import load_model
+    from kvmemory.models import load_model
     from .workload import attach_lora
 
     with console.status("loading model"):
@@ -132,7 +132,7 @@ def context_regime(passages: int) -> str:
 def run_calibration(w: Workload, args, console, *, samples: int, updates: int, starts, gaps):
     """Calibration trajectory (seed 53) + conditions → a frozen ReforgeProfile (or the profile of
     ``--from-profile``); with ``--fit-budget`` its δ are then fitted on calibration trajectories."""
-    from .profile import ProfileKey, ReforgeProfile
+    from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
 
     key = ProfileKey(model=w.lm.name, update_target=w.update_target, adapter_config=w.adapter_config,
                      context_regime=context_regime(w.passages))
@@ -146,9 +146,9 @@ def run_calibration(w: Workload, args, console, *, samples: int, updates: int, s
 
 
 def _label_calibration(w: Workload, args, key, *, samples: int, updates: int, starts, gaps):
-    from ..session import KVSession
+    from kvmemory.session import KVSession
     from .calibration import calibrate
-    from .state import ReforgeConfig
+    from kvmemory.reforge.state import ReforgeConfig
     from .workload import load_snapshot, qa_samples, update_trajectory
 
     calib = qa_samples(w.data_dir, "calibration", samples, passages=w.passages, seed=CALIBRATION_SEED)
@@ -166,9 +166,9 @@ def _label_calibration(w: Workload, args, key, *, samples: int, updates: int, st
 
 
 def trajectory_bank(w: Workload, split: str, prompts: int, seed: int, updates: int, magnitude: float):
-    """A :class:`~kvmemory.reforge.trajectory.TrajectoryBank`: ``prompts`` items of ``split``
+    """A :class:`~kvmemory_lab.reforge.trajectory.TrajectoryBank`: ``prompts`` items of ``split``
     (calibration / eval) under the ``updates``-step trajectory of ``seed``."""
-    from ..session import KVSession
+    from kvmemory.session import KVSession
     from .trajectory import build_bank
     from .workload import load_snapshot, qa_samples, update_trajectory
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT
-from .online import answer_supervised_ids, lora_update_step
+from kvmemory.reforge.online import answer_supervised_ids, lora_update_step
 
 WIKI_FILE = Path("2wikimultihopqa") / "ircot_prompt_demos_train20.jsonl"
 # disjoint index ranges per split: (hotpotqa, 2wiki)
