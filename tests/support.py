@@ -3,27 +3,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvmemory.session import KVSession
-
-
-def tiny_config(family: str, **overrides):
-    """A 2-layer random-weight config of ``family`` with the embedded tokenizer's vocabulary."""
-    common = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    common.update(overrides)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
-    return cls(**common)
-
-
-def tiny_model(family: str, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
-    return model.eval()
+from kvmemory_lab.tiny import tiny_config, tiny_model  # noqa: F401  (the one tiny test model)
 
 
 def reprefill_logits(model, token_ids) -> torch.Tensor:

@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import mean
 
-from .demo_cases import DemoCase
-from .metrics import answers_agree, contains_gold, exact_match, first_token_kl
 from kvmemory.policy import RepairPolicy
 from kvmemory.session import KVSession
+
+from .demo_cases import DemoCase
+from .metrics import answers_agree, contains_gold, exact_match, first_token_kl
 
 
 def demo_policies(budgets: list[float]) -> dict[str, RepairPolicy]:

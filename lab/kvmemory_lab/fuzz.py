@@ -30,9 +30,11 @@ from typing import Any, Callable
 import torch
 
 from kvmemory.executors import EXECUTORS
-from .invariants import check_session, registry_violations, state_violations
 from kvmemory.policy import RepairPolicy
 from kvmemory.selection import ALLOCATOR_NAMES
+
+from .invariants import check_session, registry_violations, state_violations
+from .tiny import tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -140,20 +142,6 @@ def cases(model: str, max_steps: int = 6):
 
 
 # -------------------------------------------------------------------- models
-def tiny_model(family: str, seed: int = 0, layers: int = 2):
-    """A ``layers``-layer random-weight ``family`` (llama | qwen2 | qwen3) model, fp32, with the
-    embedded tokenizer's vocabulary (49152), so SmolLM2's chat template and tokenizer drive it."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family](
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
 def tiny_lora_model(seed: int = 0):
     """A 4-layer tiny Llama with a PEFT LoRA adapter (r = 4) on q/v/down projections of layers 2
     and 3, only layer 2's trainable: CacheReforge then retains the boundary states entering

@@ -33,11 +33,12 @@ from pathlib import Path
 
 import torch
 
-from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT, DemoCase, Passage, default_data_dir, hotpot_cases
 from kvmemory.errors import KVMemoryError, ModelNotFoundError
 from kvmemory.models import embedded_gguf_path
 from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import format_call, normalize_messages, render_text, template_renders_tools
+
+from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT, DemoCase, Passage, default_data_dir, hotpot_cases
 from .agent_systems import (
     KVMemorySystem, LlamaCppSystem, ModelPool, ReprefillSystem, llama_cpp_missing,
 )

@@ -22,6 +22,10 @@ from pathlib import Path
 
 import torch
 
+from kvmemory.policy import RepairPolicy
+from kvmemory.selection import ALLOCATOR_NAMES, allowance, shared_signals
+from kvmemory.session import KVSession
+
 from ..demo_cases import default_data_dir
 from ..evaluation import QA_DATASETS, EvalCase, niah_cases, qa_cases
 from ..evaluation.decoding import verified_greedy
@@ -34,9 +38,6 @@ from ..metrics import (
     normalized_recovery,
     qa_exact_match,
 )
-from kvmemory.policy import RepairPolicy
-from kvmemory.selection import ALLOCATOR_NAMES, allowance, shared_signals
-from kvmemory.session import KVSession
 from .quality_report import write_outputs
 from .worklist import append_record, claim, done_ids, release
 

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 from statistics import mean, median
 
+from kvmemory.selection import ALLOCATOR_TITLES
+
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
 from ..metrics import contains_gold
-from kvmemory.selection import ALLOCATOR_TITLES
 from .common import agg_pyplot
 
 REFERENCE_NAMES = ("dirty", "shift", "replay", "reprefill")

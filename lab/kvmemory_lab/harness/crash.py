@@ -145,20 +145,13 @@ class Journal:
 
 # ------------------------------------------------------------------------------ the child
 def _load(kind: str):
-    from kvmemory.models import LoadedModel, embedded_model_dir, load_model
+    from kvmemory.models import load_model
 
     if kind == "smollm2":
         return load_model()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from ..tiny import tiny_loaded
 
-    folder = embedded_model_dir()
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(TINY_MODELS.index(kind))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return LoadedModel(model, AutoTokenizer.from_pretrained(folder), f"crash-{kind}", folder / kind, torch.float32)
+    return tiny_loaded(f"crash-{kind}", seed=TINY_MODELS.index(kind))
 
 
 def _graph(chat, saver, calls: list):

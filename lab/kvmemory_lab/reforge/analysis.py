@@ -16,9 +16,10 @@ import torch
 
 from kvmemory import kvcache
 from kvmemory.executors.sequential import forward_rows
-from ..metrics import first_token_kl
 from kvmemory.reforge.recovery import embed, run_layers
 from kvmemory.reforge.versions import AdapterState
+
+from ..metrics import first_token_kl
 
 
 @dataclass

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from kvmemory.executors.sequential import forward_rows
+from kvmemory.reforge.profile import ConditionResult, ProfileKey, ReforgeProfile
+
 from ..metrics import first_token_kl, token_f1
 from .analysis import HybridRun, hybrid_executions, horizon_table
-from kvmemory.reforge.profile import ConditionResult, ProfileKey, ReforgeProfile
 
 WINDOWS = (0, 1, 2, 4, 8, 16)
 THRESHOLDS = {"kl": 0.05, "top1": 0.99, "score_drop": 0.01}

@@ -28,13 +28,14 @@ import torch
 
 from kvmemory import kvcache
 from kvmemory.executors.sequential import forward_rows
-from ..metrics import first_token_kl
-from .calibration import WINDOWS
 from kvmemory.reforge.profile import ReforgeProfile
 from kvmemory.reforge.recovery import decoder_of
 from kvmemory.reforge.restart import restart_layers
 from kvmemory.reforge.runtime import decide
 from kvmemory.reforge.versions import capture_adapter, lora_modules
+
+from ..metrics import first_token_kl
+from .calibration import WINDOWS
 
 LAMBDA_START = 0.01  # Lagrangian weight: 1 % of layers recomputed is worth 1 % of the stale KL
 LAMBDA_ROUNDS = 4  # descents, λ bisected (geometrically) towards the budget between them

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT
 from kvmemory.reforge.online import answer_supervised_ids, lora_update_step
+
+from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT
 
 WIKI_FILE = Path("2wikimultihopqa") / "ircot_prompt_demos_train20.jsonl"
 # disjoint index ranges per split: (hotpotqa, 2wiki)
