@@ -1,4 +1,4 @@
-"""Bad input everywhere public (issue 7, item 7): each bad call raises a kvmemory error (a
+"""Bad input everywhere public: each bad call raises a kvmemory error (a
 ValueError / TypeError subclass) naming the fix, and the session or thread stays exactly as it
 was: same messages, same cache rows, and the next answer equals a clean run's."""
 

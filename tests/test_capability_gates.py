@@ -1,4 +1,4 @@
-"""Capability gates (issue 7, item 4): on models whose rows cannot be shifted or spliced, every
+"""Capability gates: on models whose rows cannot be shifted or spliced, every
 edit is repaired exactly (Replay from the edit point, or Re-prefill) and the report says which
 gate applied; never a Shift of rows the model cannot shift, never the packed executor on a model
 it does not run. "Re-prefill" here is one plain forward of the edited prompt without a cache."""

@@ -1,4 +1,4 @@
-"""Edit fuzzing (issue 7, item 1): the reduced fuzz profile finds no invariant violation, and
+"""Edit fuzzing: the reduced fuzz profile finds no invariant violation, and
 every invariant check can fail (each is shown catching a deliberately corrupted session)."""
 
 from __future__ import annotations

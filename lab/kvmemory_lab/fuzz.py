@@ -1,4 +1,4 @@
-"""Property-based edit fuzzing (issue 7, item 1): hypothesis generates random edit sequences,
+"""Property-based edit fuzzing: hypothesis generates random edit sequences,
 kvmemory repairs the cache after every step, and the invariants of :mod:`kvmemory_lab.invariants`
 are checked after every step.
 
@@ -45,7 +45,7 @@ BUDGETS = (0.0, 2.0, 5.0, 10.0, 25.0, 50.0, 75.0, 100.0)  # b in %
 OPS = ("append", "delete", "replace", "insert", "summarise", "clear_tool", "resend", "generate")
 RESEND_MODES = ("fresh", "reset", "remove_all", "same")
 PLACEHOLDER = "[tool output cleared]"
-# sequences per model: (tiny models each, embedded). "full" >= 1,000 in total (issue 7).
+# sequences per model: (tiny models each, embedded). "full" >= 1,000 in total.
 PROFILE_SIZES = {"reduced": (6, 2), "full": (250, 50)}
 EMBEDDED_MAX_STEPS = 4  # a step on the embedded model costs ~4 s on 2 shared cores (checks included)
 MAX_FAILURES = 8  # distinct counterexamples recorded per profile before giving up on more

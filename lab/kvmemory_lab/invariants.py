@@ -33,7 +33,7 @@ from kvmemory import kvcache
 from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import ChatMessage, TemplateError, normalize_messages, render_prompt
 
-FIDELITY_ATOL = 1e-4  # fp32 equality tolerance for logits and exact rows (issue 7)
+FIDELITY_ATOL = 1e-4  # fp32 equality tolerance for logits and exact rows
 
 
 def check_session(

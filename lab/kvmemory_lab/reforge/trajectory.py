@@ -3,7 +3,7 @@
 The paper's calibration (eqs. 6-7) labels layers by the first safe window of each condition and
 sets δ_ℓ from the 5 % lower tail of the labelling distances. Layers that one window covers get
 the same δ, so on our model the restart layer, which holds most of the stale KL, is refreshed as
-rarely as the three layers after it (issue 5). This module fits δ_ℓ for an operating point
+rarely as the three layers after it. This module fits δ_ℓ for an operating point
 instead, on the same calibration split:
 
 1. A :class:`TrajectoryBank` holds, for every calibration prompt and every adapter version of a
