@@ -1,13 +1,16 @@
 """kvmemory: live KV caches for agents, repaired by budgeted Semantic-Unit Refresh after edits."""
 
+from .errors import (
+    CacheStateError, ContextOverflowError, InputError, InputTypeError, KVMemoryError, MessageError, ModelNotFoundError,
+    PackedUnsupportedError, ShiftUnsupportedError, TemplateError, UnknownMessageError,
+)
 from .guard import FidelityGuard, GuardConfig
-from .errors import InputError, InputTypeError, KVMemoryError
-from .models import LoadedModel, ModelNotFoundError, load_model
+from .models import LoadedModel, load_model
 from .policy import RepairPolicy, RepairReport
-from .prompt import MessageError, TemplateError
-from .session import ContextOverflowError, Generation, KVSession, UnknownMessageError
+from .session import Generation, KVSession
 
 __all__ = [
+    "CacheStateError",
     "ContextOverflowError",
     "FidelityGuard",
     "Generation",
@@ -19,8 +22,10 @@ __all__ = [
     "LoadedModel",
     "MessageError",
     "ModelNotFoundError",
+    "PackedUnsupportedError",
     "RepairPolicy",
     "RepairReport",
+    "ShiftUnsupportedError",
     "TemplateError",
     "UnknownMessageError",
     "load_model",

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
-from typing import Literal, Sequence
+from typing import Literal, NamedTuple, Sequence
+
+import torch
 
 from .prompt import RenderedPrompt
 
@@ -28,6 +30,15 @@ class EditOp:
     new_span: tuple[int, int] | None
 
 
+class ReuseRun(NamedTuple):
+    """Stale rows that keep their old K/V (after Shift): new-prompt positions
+    ``[new_start, new_start + length)`` hold the cached rows ``[old_start, old_start + length)``."""
+
+    new_start: int
+    old_start: int
+    length: int
+
+
 @dataclass
 class EditPlan:
     """Token-level plan for turning the cached rows into the new prompt's rows.
@@ -42,8 +53,8 @@ class EditPlan:
             an earlier repair already paid for (the allowance belongs to the edit that made them
             stale); k = g (the default) puts them back into the repairable suffix, so that a full
             budget (Replay) still equals Re-prefill.
-        reuse: runs ``(new_start, old_start, length)`` of stale rows at positions >= g that keep
-            their old K/V (after Shift). Those at positions >= k form the suffix s,
+        reuse: :class:`ReuseRun` runs of stale rows at positions >= g that keep their old K/V
+            (after Shift). Those at positions >= k form the suffix s,
             S = len(s) (``stale_tokens``); a run in [g, k) holds the kept stale rows in place.
         widened: keys of kept messages whose tokens did not re-tokenize identically; their rows
             are recomputed as new text instead of reused.
@@ -53,7 +64,7 @@ class EditPlan:
     ops: list[EditOp]
     common_prefix: int
     exact_prefix: int
-    reuse: list[tuple[int, int, int]]
+    reuse: list[ReuseRun]
     widened: list[str] = field(default_factory=list)
     new_length: int = 0
     kept_prefix: int | None = None
@@ -66,12 +77,12 @@ class EditPlan:
     def suffix_positions(self) -> list[int]:
         """Sorted new-prompt positions of the stale reused rows the allowance is charged on (the
         repairable suffix s: positions >= kept_prefix)."""
-        return [p for n, _, length in self.reuse for p in range(max(n, self.kept_prefix), n + length)]
+        return [p for run in self.reuse for p in range(max(run.new_start, self.kept_prefix), run.new_start + run.length)]
 
     @property
     def stale_tokens(self) -> int:
         """S = len(s)."""
-        return sum(max(0, n + length - max(n, self.kept_prefix)) for n, _, length in self.reuse)
+        return sum(max(0, run.new_start + run.length - max(run.new_start, self.kept_prefix)) for run in self.reuse)
 
     @property
     def kept_stale_tokens(self) -> int:
@@ -92,8 +103,19 @@ class EditPlan:
     @property
     def new_positions(self) -> list[int]:
         """Positions >= g that must be computed because no row exists for them."""
-        reused = {n + k for n, _, length in self.reuse for k in range(length)}  # kept stale rows too
+        reused = {run.new_start + k for run in self.reuse for k in range(run.length)}  # kept stale rows too
         return [p for p in range(self.exact_prefix, self.new_length) if p not in reused]
+
+    def source_rows(self, total: int | None = None) -> torch.Tensor:
+        """LongTensor ``[m]``: the old row of each new row (-1: computed anew), the exact prefix in
+        place and the reuse runs moved, up to the last reused row or ``total`` rows if longer.
+        K/V rows (repair) and CacheReforge boundary states (session) follow it."""
+        end = max([self.exact_prefix, total or 0] + [run.new_start + run.length for run in self.reuse])
+        rows = torch.full((end,), -1, dtype=torch.long)
+        rows[: self.exact_prefix] = torch.arange(self.exact_prefix)
+        for run in self.reuse:
+            rows[run.new_start : run.new_start + run.length] = torch.arange(run.old_start, run.old_start + run.length)
+        return rows
 
     def count(self, kind: OpKind) -> int:
         return sum(op.kind == kind for op in self.ops)
@@ -138,7 +160,7 @@ def plan_edits(
     g = f if exact_rows is None else min(f, exact_rows)
     k = g if kept_rows is None else max(g, min(f, kept_rows))
     ops = _message_ops(old, new)
-    reuse = [(g, g, f - g)] if g < f else []  # stale rows already in place ([g, k) kept, the rest in s)
+    reuse = [ReuseRun(new_start=g, old_start=g, length=f - g)] if g < f else []  # stale rows already in place ([g, k) kept, the rest in s)
     widened = []
     for op in ops:
         if op.kind != "keep":
@@ -151,7 +173,7 @@ def plan_edits(
             continue
         skip = max(0, f - n0)  # the part inside the common prefix is already exact
         if n1 - n0 - skip > 0:
-            reuse.append((n0 + skip, o0 + skip, n1 - n0 - skip))
+            reuse.append(ReuseRun(new_start=n0 + skip, old_start=o0 + skip, length=n1 - n0 - skip))
     return EditPlan(ops=ops, common_prefix=f, exact_prefix=g, reuse=reuse, widened=widened, new_length=len(new),
                     kept_prefix=k)
 

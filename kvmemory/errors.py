@@ -1,13 +1,34 @@
-"""kvmemory's error types: one small hierarchy, so callers can catch everything kvmemory raises
-on purpose (``except KVMemoryError``) or the standard base they already expect (ValueError,
-TypeError, KeyError, FileNotFoundError). Every message names the fix.
+"""kvmemory's error types: one hierarchy under :class:`KVMemoryError`, so callers can catch
+everything kvmemory raises on purpose (``except KVMemoryError``) or the standard base they
+already expect (ValueError, TypeError, KeyError, FileNotFoundError, RuntimeError). Every message
+names the fix.
+
+    KVMemoryError
+    ├── InputError (ValueError)                 a value cannot be used
+    │   ├── MessageError                        a malformed message
+    │   ├── UnknownMessageError (KeyError)      an edit names an id the session does not hold
+    │   └── ContextOverflowError                the prompt does not fit the model's context
+    ├── InputTypeError (TypeError)              an argument of the wrong type
+    ├── ModelNotFoundError (FileNotFoundError)  no model or tokenizer where it was looked for
+    ├── TemplateError (ValueError)              a chat template that is not prefix-stable
+    ├── CacheStateError (ValueError)            a stored cache state does not fit this model
+    ├── ShiftUnsupportedError (ValueError)      a RoPE that cannot be shifted exactly
+    ├── PackedUnsupportedError (ValueError)     a model the packed executor cannot run
+    ├── TritonUnavailableError (RuntimeError)   the Triton backend cannot launch here
+    ├── SelectionError (RuntimeError)           internal: an allocator broke its contract
+    └── UnitPartitionError (RuntimeError)       internal: units do not partition the suffix
+
+``langchain_kvmemory.blobs.BlobError`` (RuntimeError) joins the tree from the LangChain package.
 
 A call that raises one of these before touching the cache leaves the session or thread exactly
 as it was (same messages, same cache rows), so the next call answers as if the bad one never
-happened.
+happened. The capability errors are raised only where a caller forces a path (an executor, a
+backend); kvmemory itself falls back to exact recomputation and reports why.
 """
 
 from __future__ import annotations
+
+SHIFT_FALLBACK = "kvmemory falls back to Replay (recomputing the retained suffix) instead of Shift"
 
 
 class KVMemoryError(Exception):
@@ -41,3 +62,36 @@ class ContextOverflowError(InputError):
 
 class ModelNotFoundError(KVMemoryError, FileNotFoundError):
     """The requested model (embedded or local folder) or its tokenizer cannot be found."""
+
+
+class TemplateError(KVMemoryError, ValueError):
+    """The chat template does not render message lists incrementally (prefix-stable)."""
+
+
+class CacheStateError(KVMemoryError, ValueError):
+    """A stored cache state cannot be restored onto this model (shapes, ids or format differ).
+    Callers fall back to Re-prefill: the next ``prepare`` rebuilds the cache from the messages."""
+
+
+class ShiftUnsupportedError(KVMemoryError, ValueError):
+    """Cached keys of this model cannot be rotated exactly; the message names why and the fallback."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}; {SHIFT_FALLBACK}")
+        self.reason = reason
+
+
+class PackedUnsupportedError(KVMemoryError, ValueError):
+    """The packed executor cannot run this model or cache; the message says why."""
+
+
+class TritonUnavailableError(KVMemoryError, RuntimeError):
+    """The Triton backend cannot launch here; the message names the fix."""
+
+
+class SelectionError(KVMemoryError, RuntimeError):
+    """Internal error: an allocator broke its contract (a bug, please report it)."""
+
+
+class UnitPartitionError(KVMemoryError, RuntimeError):
+    """Internal error: the units do not partition the eligible positions (a bug, please report it)."""

@@ -22,15 +22,11 @@ from typing import Any, Callable, Mapping, Sequence
 from jinja2 import TemplateError as JinjaTemplateError
 from transformers.utils import get_json_schema
 
-from .errors import InputError, InputTypeError, MessageError
+from .errors import InputError, InputTypeError, MessageError, TemplateError
 
 ROLES = ("system", "user", "assistant", "tool")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_SYSTEM = "You are a helpful assistant."
-
-
-class TemplateError(ValueError):
-    """The chat template does not render message lists incrementally (prefix-stable)."""
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ def repair(
             report.fallback = f"{gate} [this edit: Re-prefill]"
     else:
         budget = policy.effective_budget
-        moved = any(n != o for n, o, _ in plan.reuse)
+        moved = any(run.new_start != run.old_start for run in plan.reuse)
         if moved and budget < 100 and ctx.capabilities.shift_reason:
             report.fallback = ctx.capabilities.shift_reason
             budget = 100.0
@@ -221,7 +221,7 @@ def _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report) -
 
     t1 = time.perf_counter()
     # packed and direct write rows in place: give them all N rows at once (placeholders included)
-    rows = _source_rows(plan, ids.shape[0] if choice.name != "sequential" else None)
+    rows = plan.source_rows(ids.shape[0] if choice.name != "sequential" else None)
     shifted = kvcache.gather_rows(cache, rows)
     report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
     report.shift_ms = _ms(t1)
@@ -242,7 +242,7 @@ def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
         return None
 
     def shift_cache() -> DynamicCache:
-        rows = _source_rows(plan)
+        rows = plan.source_rows()
         shifted = kvcache.gather_rows(cache, rows)
         _rotate_moved_keys(ctx.shifter, shifted, rows)
         return shifted
@@ -285,17 +285,6 @@ def _eligible(plan: EditPlan) -> list[int]:
     (ProphetKV, InfoFlow, A3) an empty query to forward, and cost the others a slot of B."""
     last = plan.new_length - 1
     return [p for p in plan.suffix_positions if p != last]
-
-
-def _source_rows(plan: EditPlan, total: int | None = None) -> torch.Tensor:
-    """Old row index for each new position up to the last reused row, or up to ``total`` rows
-    (-1: to be computed)."""
-    end = max([plan.exact_prefix, total or 0] + [n + length for n, _, length in plan.reuse])
-    rows = torch.full((end,), -1, dtype=torch.long)
-    rows[: plan.exact_prefix] = torch.arange(plan.exact_prefix)
-    for n, o, length in plan.reuse:
-        rows[n : n + length] = torch.arange(o, o + length)
-    return rows
 
 
 def _rotate_moved_keys(shifter: RotaryShifter | None, cache: DynamicCache, rows: torch.Tensor) -> int:

@@ -21,10 +21,12 @@ from .shift import RotaryShifter, ShiftUnsupportedError
 from .prompt import (
     ChatMessage, RenderedPrompt, TemplateError, normalize_messages, normalize_tools, render_prompt, render_text,
 )
-from .reforge.state import ReforgeConfig, ReforgeState, source_rows
+from .reforge.state import CacheView, ReforgeConfig, ReforgeState
 from .repair import RepairContext, repair
 
 log = logging.getLogger(__name__)
+
+KEEP_TOOLS = object()  # prepare(tools=...) omitted: the session keeps its tools
 
 # transformers' LogitsProcessor convention: (input_ids [1, L], scores [1, vocab]) -> scores
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -122,6 +124,23 @@ class KVSession:
         self.answer_committed = False  # rendered holds the last answer as a message (no generation prompt)
         self.reforge.reset()
 
+    def restore(self, state, *, rendered: RenderedPrompt | None) -> None:
+        """Replace what the session holds with an exported state (``threads.CacheState``, already
+        checked against this model by ``threads.import_state``): its K/V layers, token ids,
+        exact rows, stale budget, pending logits, tools and per-layer adapter versions;
+        ``rendered``: its messages rendered with this session's tokenizer (None: no messages)."""
+        device = next(self.model.parameters()).device
+        self.reset()
+        self.tools = state.tools
+        self.cache = kvcache.from_tensors([(k.to(device), v.to(device)) for k, v in state.layers])
+        self.token_ids = list(state.token_ids)
+        self.exact_rows = min(state.exact_rows, len(state.token_ids))
+        self.stale_budget = state.stale_budget if self.exact_rows < len(state.token_ids) else 0.0
+        self.rendered = rendered
+        self.next_logits = None if state.next_logits is None else state.next_logits.to(device)
+        self.answer_committed = state.answer_committed
+        self.reforge.restore_versions(state.adapter_versions)
+
     def _new_cache(self):
         return self.cache_factory(self.model.config)
 
@@ -153,7 +172,7 @@ class KVSession:
     # --------------------------------------------------------------- prepare
     def prepare(
         self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, policy: RepairPolicy | None = None,
-        erase: str | None = None,
+        erase: str | None = None, tools: Any = KEEP_TOOLS,
     ) -> RepairReport:
         """Bring the cache to ``messages`` (rendered with the chat template + generation prompt).
 
@@ -163,6 +182,8 @@ class KVSession:
             policy: overrides the session policy for this call: a RepairPolicy or a label such
                 as ``"sur@5"``, ``"shift"``, ``"replay"``, ``"reprefill"``, ``"dirty"``;
                 ``"reprefill:always"`` re-prefills the whole prompt even without an edit.
+            tools: the tools this and later renderings offer (as in the constructor; None: no
+                tools); omitted: the session's tools stay.
 
         Returns:
             RepairReport (tokens reused / recomputed, operator, budget, latency ms, fallback).
@@ -177,6 +198,8 @@ class KVSession:
         itself fails, the session resets (the next call re-prefills) and the error propagates.
         """
         t0 = time.perf_counter()
+        if tools is not KEEP_TOOLS:
+            self.tools = tools
         policy = RepairPolicy.coerce(policy) if policy is not None else self.policy
         new_messages = normalize_messages(messages)
         erased = self._erased_keys(new_messages, erase if erase is not None else policy.erase, policy)
@@ -209,8 +232,9 @@ class KVSession:
         except Exception:
             self.reset()
             raise
-        kept = torch.arange(result.report.reused_tokens) if erased else source_rows(plan)
-        self.reforge.commit(captures, kept, len(new), result.report.reused_tokens == 0, adapter)
+        kept = torch.arange(result.report.reused_tokens) if erased else plan.source_rows()
+        self.reforge.commit(captures, source_rows=kept, rows=len(new), recomputed_all=result.report.reused_tokens == 0,
+                            current=adapter)
         report = result.report
         if erased:
             report.erased = {"mode": "strict", "messages": erased, "from_row": report.reused_tokens,
@@ -341,6 +365,11 @@ class KVSession:
         msgs[i] = {"role": old.role, "content": content, "id": old.key, **old.extra}
         return self.prepare(msgs, policy=policy, erase=erase)
 
+    def defer_erasures(self, message_ids) -> None:
+        """Keep strictly erased ``message_ids`` until a checkpoint store takes them (no store
+        purged them yet)."""
+        self.pending_erasures.extend(k for k in message_ids if k not in self.pending_erasures)
+
     def take_erasures(self) -> list[str]:
         """Return and clear the ids strictly erased from this cache that a checkpoint store has
         not purged yet (see ``KVCheckpointSaver.erase_messages``)."""
@@ -442,7 +471,7 @@ class KVSession:
         start = len(self.token_ids)
         with self.reforge.recording() as captures:
             logits = forward_rows(self.model, self.cache, ids, start)
-        self.reforge.commit(captures, None, start + ids.shape[0], False, adapter)
+        self.reforge.commit(captures, source_rows=None, rows=start + ids.shape[0], recomputed_all=False, current=adapter)
         self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits)
         return logits
 
@@ -451,8 +480,30 @@ class KVSession:
         cache under ``self.reforge.config`` first. Returns the active AdapterState (None: no LoRA)."""
         current = self.reforge.current()
         if self.reforge.needs_maintenance(current):
-            self.reforge.maintain(self, current)
+            self.maintain(current=current)
         return current
+
+    def maintain(self, *, current=None, policy: str | None = None):
+        """CacheReforge maintenance (paper: CacheReforge §Methodology): bring the cache to the
+        active adapter ``current`` (default: read from the model) under ``policy`` (default:
+        ``self.reforge.config``'s) and apply the result. Runs by itself before the next forward
+        after an adapter update; ``OnlineAdapter.update`` runs it for every registered session.
+
+        Returns:
+            ReforgeReport (action, layers ``[start, end)``, recompute %, fallback, ms).
+
+        Raises:
+            ValueError: unknown policy, or cachereforge / drift_only without a profile.
+        """
+        view = CacheView(cache=self.cache, token_ids=self.token_ids, cache_factory=self.cache_factory,
+                         row_reuse_reason=self.capabilities.row_reuse_reason)
+        maintained = self.reforge.maintain(view, current=current, policy=policy)
+        self.cache = maintained.cache
+        if maintained.exact_rows is not None:
+            self.exact_rows = maintained.exact_rows
+        if maintained.next_logits is not None and self.next_logits is not None:  # a pending request's
+            self.next_logits = maintained.next_logits
+        return maintained.report
 
     @property
     def adapter_versions(self):

@@ -17,93 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputTypeError
-
-# rope types whose angle for position i depends only on i (not on the sequence length), so that
-# R_{i-d} R_i^{-1} is a fixed rotation by -d. longrope is static only on one side of its
-# original_max_position_embeddings (transformers switches factor sets by sequence length).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-FALLBACK = "kvmemory falls back to Replay (recomputing the retained suffix) instead of Shift"
-
-
-class ShiftUnsupportedError(ValueError):
-    """Cached keys of this model cannot be rotated exactly; the message names why and the fallback."""
-
-    def __init__(self, reason: str):
-        super().__init__(f"{reason}; {FALLBACK}")
-        self.reason = reason
-
-
-def _rope_parameter_sets(config) -> dict[str | None, dict]:
-    """RoPE parameter dicts keyed by layer type (``{None: params}`` when one set serves all layers).
-
-    Models such as Gemma 3 nest one dict per attention layer type in ``config.rope_parameters``.
-    """
-    params = getattr(config, "rope_parameters", None) or {}
-    nested_keys = getattr(config, "nested_rope_parameter_keys", None)  # transformers 5.x config mixin
-    nested = nested_keys(params) if params and nested_keys else []
-    if nested:
-        return {key: params[key] for key in nested if params[key] is not None}
-    return {None: params} if params else {}
-
-
-def _longrope_boundary(params: dict) -> int:
-    return int(params["original_max_position_embeddings"])
-
-
-def _params_reason(params: dict, config, max_position: int | None) -> str | None:
-    """Reason one RoPE parameter dict cannot be shifted exactly, or None."""
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "dynamic":
-        return (
-            "rope_type 'dynamic' rescales angles with the sequence length, "
-            "so cached keys cannot be rotated exactly"
-        )
-    if rope_type not in STATIC_ROPE_TYPES:
-        return f"rope_type {rope_type!r} is not a supported static RoPE ({', '.join(STATIC_ROPE_TYPES)})"
-    if params.get("mrope_section") is not None:
-        return "multimodal RoPE (mrope_section) uses 3-D position ids, which Shift does not handle"
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial is not None and float(partial) < 1.0:
-        return (
-            f"partial rotary embeddings (partial_rotary_factor={partial}) rotate only part of each head "
-            "with a model-specific layout"
-        )
-    if rope_type == "longrope" and max_position is not None and max_position >= _longrope_boundary(params):
-        return (
-            f"rope_type 'longrope' switches from short to long factors once the sequence passes "
-            f"original_max_position_embeddings={_longrope_boundary(params)}; a cache reaching position "
-            f"{max_position} may hold keys from both factor sets"
-        )
-    return None
-
-
-def shift_unsupported_reason(config, max_position: int | None = None) -> str | None:
-    """Why cached keys of a model with this config cannot be rotated exactly (paper §7.1 eq. 2).
-
-    Args:
-        config: a transformers ``PretrainedConfig`` (a multimodal one is reduced to its text
-            config). RoPE settings are read from ``config.rope_parameters`` (transformers 5.x).
-        max_position: optional largest 0-based token position the cache has held. Matters only
-            for ``longrope``: transformers picks its short or long factor set per forward call from
-            that call's largest position, so a cache whose positions 0..max_position reach
-            ``original_max_position_embeddings`` may mix both sets and cannot be shifted exactly.
-
-    Returns:
-        None when Shift is exact for this config (rope_type default, linear, llama3, yarn, or
-        longrope below its boundary, full rotary); otherwise a one-line reason. Never raises for
-        an unsupported model; :class:`RotaryShifter` raises :class:`ShiftUnsupportedError` with it.
-    """
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    sets = _rope_parameter_sets(config)
-    if not sets:
-        return "the model config has no rope_parameters, so its keys carry no rotary position to correct"
-    for params in sets.values():
-        reason = _params_reason(params, config, max_position)
-        if reason is not None:
-            return reason
-    return None
-
+from .capabilities import longrope_boundary, rope_parameter_sets, shift_unsupported_reason
+from .errors import InputTypeError, ShiftUnsupportedError
 
 @dataclass(frozen=True)
 class ShiftCoefficients:
@@ -152,7 +67,7 @@ class RotaryShifter:
         self.head_dim: int = getattr(self.config, "head_dim", None) or (
             self.config.hidden_size // self.config.num_attention_heads
         )
-        self._param_sets = _rope_parameter_sets(self.config)
+        self._param_sets = rope_parameter_sets(self.config)
         self.layer_types: tuple[str | None, ...] = tuple(self._param_sets)
         for layer_type in self.layer_types:
             self._check_layout(layer_type)
@@ -245,7 +160,7 @@ class RotaryShifter:
         params = self._param_sets[layer_type]
         if params.get("rope_type") != "longrope":
             return
-        boundary = _longrope_boundary(params)
+        boundary = longrope_boundary(params)
         # transformers uses long factors when a call's largest position + 1 exceeds the boundary
         if (int(old.max()) + 1 > boundary) != (int(new.max()) + 1 > boundary):
             raise ShiftUnsupportedError(

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from . import kvcache
+from .errors import CacheStateError
 from .policy import RepairPolicy
 from .prompt import TemplateError, normalize_messages, render_prompt
 from .reforge.versions import LayerAnchors, base_weights_digest
@@ -32,11 +34,6 @@ log = logging.getLogger(__name__)
 # are still read, but never imported (their rows cannot be tied to a model or an adapter version)
 STATE_FORMAT = "kvmemory.thread-state/2"
 READABLE_FORMATS = ("kvmemory.thread-state/1", STATE_FORMAT)
-
-
-class CacheStateError(ValueError):
-    """A stored cache state cannot be restored onto this model (shapes, ids or format differ).
-    Callers fall back to Re-prefill: the next ``prepare`` rebuilds the cache from the messages."""
 
 
 @dataclass
@@ -216,17 +213,7 @@ def import_state(session: KVSession, state: CacheState) -> None:
         if tuple(state.token_ids[: len(rendered)]) != rendered.token_ids:
             raise CacheStateError("stored token ids are not the tokenization of the stored messages "
                                   "(different tokenizer or chat template?): re-prefill from the messages")
-    device = next(session.model.parameters()).device
-    session.reset()
-    session.tools = state.tools
-    session.cache = kvcache.from_tensors([(k.to(device), v.to(device)) for k, v in state.layers])
-    session.token_ids = list(state.token_ids)
-    session.exact_rows = min(state.exact_rows, len(state.token_ids))
-    session.stale_budget = state.stale_budget if session.exact_rows < len(state.token_ids) else 0.0
-    session.rendered = rendered
-    session.next_logits = None if state.next_logits is None else state.next_logits.to(device)
-    session.answer_committed = state.answer_committed
-    session.reforge.restore_versions(state.adapter_versions)
+    session.restore(state, rendered=rendered)
     stale = session.reforge.version_report().stale_layers
     if stale:
         log.info("kvmemory: the restored cache's layers %s were computed under another adapter version than the "
@@ -325,6 +312,9 @@ class ThreadCaches:
         self._admitted: dict[int, tuple[str, int]] = {}  # ticket -> (thread id, reserved bytes) of running calls
         self._tickets = itertools.count()
         self.evictions = 0
+        # checkpoint stores persisting these threads, which purge strictly erased messages
+        # (KVCheckpointSaver registers itself; weak: a store dropped by its owner is gone)
+        self.erase_stores: weakref.WeakSet = weakref.WeakSet()
 
     # -------------------------------------------------------------- access
     def _entry(self, thread_id: str) -> _Entry:

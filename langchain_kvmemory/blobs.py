@@ -26,13 +26,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from kvmemory.errors import KVMemoryError
+
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
 
 
-class BlobError(RuntimeError):
+class BlobError(KVMemoryError, RuntimeError):
     """A stored blob cannot be used: missing, truncated, or its bytes do not match its sha256.
 
     ``reason`` is one of ``missing``, ``truncated``, ``mismatch``, ``unreadable``."""
@@ -141,7 +143,7 @@ class BlobStore:
                                         f"{len(data)} bytes; expected {ref.sha256[:12]}…, {ref.size} bytes)")
         try:
             tensors = load_safetensors(data)
-            metadata = _header_metadata(data)
+            metadata = header_metadata(data)
         except (SafetensorError, ValueError) as exc:
             raise BlobError("unreadable", f"cache blob {path} is not a safetensors file ({exc})") from exc
         return tensors, metadata
@@ -214,7 +216,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _header_metadata(data: bytes) -> dict[str, str]:
+def header_metadata(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors buffer (the format's documented JSON header)."""
     if len(data) < 8:
         raise ValueError("shorter than a safetensors header")

@@ -91,6 +91,22 @@ def _runtime(model: str, dtype: str) -> _Runtime:
         return _RUNTIMES[key]
 
 
+@dataclass
+class _Call:
+    """What one model call decided before it touched its thread (see ``ChatKVMemory._plan_call``)."""
+
+    model_name: str
+    runtime: _Runtime
+    tools: list[dict[str, Any]] | None
+    choice: str | None
+    grammar: Any
+    messages: list[dict[str, Any]]
+    stops: list[str]
+    max_tokens: int
+    timeout: float | None
+    thread_id: str
+
+
 class ChatKVMemory(BaseChatModel):
     """Chat model on a local transformers model with per-thread live KV caches.
 
@@ -102,45 +118,53 @@ class ChatKVMemory(BaseChatModel):
         llm.invoke("Hello", config={"configurable": {"thread_id": "t1"}})
         ```
 
-    Standard params: ``model`` (``"smollm2"`` = the embedded SmolLM2-135M-Instruct, a local
-    model folder, or a :class:`kvmemory.LoadedModel` that this instance alone runs), ``temperature`` (0 = greedy), ``max_tokens``, ``stop``, ``timeout`` (seconds of
-    decoding; the answer so far is returned with finish_reason ``"timeout"``), ``max_retries``
-    (accepted for compatibility: local decoding has no transient failures to retry),
-    ``streaming``.
-
-    kvmemory params: ``repair_policy`` (label such as ``"sur@5"``, ``"shift"``, ``"replay"``,
-    ``"reprefill"``; per call: ``invoke(..., repair_policy="sur@2")``), ``memory_budget_bytes``
-    (K/V bytes of all live threads), ``default_thread_id`` (used when the run config has none),
-    ``auto_tool_calls`` (``"model"``: under ``tool_choice="auto"`` the model decides; ``"after_user"``:
-    a tool call is required when the last message is from the user and text is free otherwise, a
-    ReAct-loop policy for models too small to decide, such as the embedded one).
-
-    ``erase`` (``"none"`` or ``"strict"``; per call: ``invoke(..., erase="strict")``): under strict
-    erase, a call whose messages delete or replace a message the thread's cache holds recomputes
-    every row from the edit point (Replay), drops the thread's side caches (``<thread>/summary``)
-    and purges the removed messages from the stores of every ``KVCheckpointSaver`` persisting this
-    model's threads; ``response_metadata["erase"]`` says what was erased.
-    ``guard`` (a :class:`kvmemory.guard.GuardConfig` or dict, None = off): the fidelity guard
-    checks a sampled fraction of repairs against Re-prefill in the background and raises the
-    thread's budget when the first-token KL exceeds its threshold;
-    ``response_metadata["guard"]`` shows the thread's state, :meth:`guard_summary` all threads.
+    Each LangGraph ``thread_id`` (from the run config; ``default_thread_id`` otherwise) keeps
+    its own live cache; an edited history is repaired under ``repair_policy``, and
+    ``response_metadata["repair"]`` says what was reused, recomputed and why. One field per
+    setting below; per-call overrides go to ``invoke(..., repair_policy=..., erase=...)``.
     """
 
     model: str = "smollm2"
+    """``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a local transformers model folder, or a
+    :class:`kvmemory.LoadedModel` that this instance alone runs."""
     dtype: Literal["fp32", "bf16"] = "fp32"
+    """Weights and cache dtype (CPU: fp32 is exact to Re-prefill, bf16 is faster)."""
     temperature: float = 0.0
+    """Sampling temperature; 0 decodes greedily."""
     max_tokens: int = 256
+    """Longest answer in tokens."""
     stop: list[str] | None = None
+    """Strings that end the answer (not included in it)."""
     timeout: float | None = None
+    """Seconds of decoding; the answer so far is returned with finish_reason ``"timeout"``."""
     max_retries: int = 0
+    """Accepted for compatibility: local decoding has no transient failures to retry."""
     streaming: bool = False
+    """Whether ``invoke`` streams through the callbacks (LangChain's standard parameter)."""
     seed: int | None = None
+    """Sampling seed (temperature > 0)."""
     repair_policy: str = "sur@5"
+    """How an edited history is repaired: ``"sur@5"`` (Shift + SUR at b = 5 %), ``"shift"``,
+    ``"replay"``, ``"reprefill"``, ``"bm25@2"``, ... (see ``kvmemory.RepairPolicy``)."""
     memory_budget_bytes: int | None = Field(default=1 << 30, ge=0)
+    """K/V bytes all live threads may hold together; least-recently-used idle threads are evicted
+    first and a call that still does not fit waits (None: no limit)."""
     default_thread_id: str = "default"
+    """Thread used when the run config names none."""
     auto_tool_calls: Literal["model", "after_user"] = "model"
+    """Under ``tool_choice="auto"``: ``"model"`` lets the model decide; ``"after_user"`` requires
+    a tool call after a user turn and leaves text free after a tool result (a ReAct policy for
+    models too small to decide, such as the embedded one)."""
     erase: Literal["none", "strict"] = "none"
+    """``"strict"``: a call that deletes or replaces a held message recomputes every row from the
+    edit point (Replay), drops the thread's side caches (``<thread>/summary``) and purges the
+    removed messages from every ``KVCheckpointSaver`` persisting this model's threads;
+    ``response_metadata["erase"]`` says what was erased."""
     guard: GuardConfig | None = None
+    """Fidelity guard (a :class:`kvmemory.guard.GuardConfig` or dict; None = off): checks a sampled
+    fraction of repairs against Re-prefill in the background and raises the thread's budget when
+    the first-token KL exceeds its threshold; ``response_metadata["guard"]`` shows the thread's
+    state, :meth:`guard_summary` all threads."""
 
     _guards: dict[tuple[str, str], FidelityGuard] = PrivateAttr(default_factory=dict)
     _registries: dict[tuple[str, str], ThreadCaches] = PrivateAttr(default_factory=dict)
@@ -310,9 +334,36 @@ class ChatKVMemory(BaseChatModel):
         """Prepare the thread's cache for ``messages`` and decode, yielding ``("text", delta)``
         events for streamable text and one final ``("end", result)``. An answer that ended with
         an end-of-turn token is then held in the cache as a message with id ``message_id``."""
+        call = self._plan_call(messages, stop, run_manager, kwargs)
+        registry = self.threads_for(call.model_name)
+        with registry.lease(call.thread_id, reserve_tokens=self._reserve_tokens(call, registry)) as session:
+            policy, report, erased = self._prepare_thread(session, registry, call, kwargs)
+            watcher = _TextWatcher(call.runtime.loaded.tokenizer, call.stops,
+                                   watch_calls=bool(call.tools) and call.choice != "none")
+            t0 = time.perf_counter()
+            reason = yield from self._stream_tokens(session, watcher, call, kwargs)
+            result = self._result(watcher, report, reason, call.runtime, call.thread_id,
+                                  (time.perf_counter() - t0) * 1000.0)
+            self._annotate(result, call, policy, erased)
+            if reason == "stop" and not watcher.stopped:  # ended with an end-of-turn token
+                answer = AIMessage(id=message_id, content=result["content"], tool_calls=result["tool_calls"])
+                session.commit_answer(session_message(answer, call.runtime.template_tools))
+        tail = watcher.finish()
+        if tail:
+            yield "text", tail
+        yield "end", result
+
+    def _plan_call(self, messages: Sequence[BaseMessage], stop: list[str] | None,
+                   run_manager: CallbackManagerForLLMRun | None, kwargs: dict[str, Any]) -> "_Call":
+        """Everything a call decides before it touches the thread: settings (checked first, so a
+        refused call leaves the thread as it was), tools and tool choice, grammar, messages,
+        stops, answer length, timeout and thread id.
+
+        Raises:
+            MessageError: no messages. InputError / InputTypeError: bad per-call settings.
+        """
         if not messages:
             raise MessageError("no messages: pass at least one message (e.g. a HumanMessage)")
-        # per-call settings are checked before the thread's session is touched (it stays as it was)
         _check_call_settings(kwargs.get("repair_policy"), kwargs.get("max_tokens"), kwargs.get("temperature"),
                              kwargs.get("timeout"))
         model_name = kwargs.get("model") or self.model
@@ -321,62 +372,76 @@ class ChatKVMemory(BaseChatModel):
         choice = _tool_choice(kwargs.get("tool_choice"), tools)
         if choice == "auto" and self.auto_tool_calls == "after_user" and isinstance(messages[-1], HumanMessage):
             choice = "required"
-        grammar = self._grammar(runtime, tools, choice, kwargs.get("response_format"))
         response_format = kwargs.get("response_format") or {}
-        session_messages = to_session_messages(messages, runtime.template_tools, response_format.get("schema"))
-        stops = [s for s in (stop if stop is not None else self.stop) or [] if s]
-        max_tokens = int(kwargs.get("max_tokens") or self.max_tokens)
-        timeout = kwargs.get("timeout", self.timeout)
         thread_id = self._thread_id(kwargs)
         if run_manager is not None and (run_manager.metadata or {}).get("lc_source") == "summarization":
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
-        registry = self.threads_for(model_name)
-        reserve = (_prompt_tokens(runtime, session_messages, tools) + max_tokens + RESERVE_SLACK
-                   if registry.memory_budget_bytes is not None else 0)
-        with registry.lease(thread_id, reserve_tokens=reserve) as session:
-            session.tools = tools  # the session renders them: through the template or folded (kvmemory.prompt)
-            guard = self.guard_for(model_name)
-            policy = RepairPolicy.coerce(kwargs.get("repair_policy") or session.policy)
-            if guard is not None:
-                policy = guard.policy_for(thread_id, policy)
-            report = session.prepare(session_messages, policy=policy, erase=kwargs.get("erase") or self.erase)
-            erased = _erase_everywhere(registry, thread_id, session, report)
-            if guard is not None:
-                guard.observe(thread_id, session, report)
-            tokens = session.stream_tokens(max_tokens, temperature=float(kwargs.get("temperature", self.temperature)),
-                                           seed=kwargs.get("seed", self.seed),
-                                           logits_processor=processor(grammar) if grammar is not None else None)
-            watcher = _TextWatcher(runtime.loaded.tokenizer, stops, watch_calls=bool(tools) and choice != "none")
-            t0, reason = time.perf_counter(), "length"
-            try:
-                for token in tokens:
-                    delta = watcher.add(token)
-                    if delta:
-                        yield "text", delta
-                    if watcher.stopped:
-                        reason = "stop"
-                        break
-                    if timeout is not None and time.perf_counter() - t0 > timeout:
-                        reason = "timeout"
-                        log.warning("kvmemory: decoding stopped after the %.1f s timeout (thread %r)", timeout, thread_id)
-                        break
-                else:
-                    reason = "stop" if session.next_logits is None else "length"
-            finally:
-                tokens.close()
-            decode_ms = (time.perf_counter() - t0) * 1000.0
-            result = self._result(watcher, report, reason, runtime, thread_id, decode_ms)
-            if erased is not None:
-                result["metadata"]["erase"] = erased
-            if guard is not None:
-                result["metadata"]["guard"] = {**guard.thread_info(thread_id), "policy": policy.label}
-            if reason == "stop" and not watcher.stopped:
-                answer = AIMessage(id=message_id, content=result["content"], tool_calls=result["tool_calls"])
-                session.commit_answer(session_message(answer, runtime.template_tools))
-        tail = watcher.finish()
-        if tail:
-            yield "text", tail
-        yield "end", result
+        return _Call(
+            model_name=model_name, runtime=runtime, tools=tools, choice=choice,
+            grammar=self._grammar(runtime, tools, choice, kwargs.get("response_format")),
+            messages=to_session_messages(messages, runtime.template_tools, response_format.get("schema")),
+            stops=[s for s in (stop if stop is not None else self.stop) or [] if s],
+            max_tokens=int(kwargs.get("max_tokens") or self.max_tokens),
+            timeout=kwargs.get("timeout", self.timeout), thread_id=thread_id,
+        )
+
+    @staticmethod
+    def _reserve_tokens(call: "_Call", registry: ThreadCaches) -> int:
+        """Rows the call may hold (prompt + answer + end-of-turn slack), reserved against the
+        registry's memory budget before the call runs (0 without a budget)."""
+        if registry.memory_budget_bytes is None:
+            return 0
+        return _prompt_tokens(call.runtime, call.messages, call.tools) + call.max_tokens + RESERVE_SLACK
+
+    def _prepare_thread(self, session, registry: ThreadCaches, call: "_Call", kwargs: dict[str, Any]):
+        """Bring the leased thread's cache to the call's messages under its repair policy (raised
+        by the fidelity guard where it escalated), purge a strict erase from the stores, and let
+        the guard sample the repair. Returns ``(policy, report, erase metadata or None)``."""
+        guard = self.guard_for(call.model_name)
+        policy = RepairPolicy.coerce(kwargs.get("repair_policy") or session.policy)
+        if guard is not None:
+            policy = guard.policy_for(call.thread_id, policy)
+        # the session renders the tools: through the template or folded (kvmemory.prompt)
+        report = session.prepare(call.messages, policy=policy, erase=kwargs.get("erase") or self.erase,
+                                 tools=call.tools)
+        erased = _erase_everywhere(registry, call.thread_id, session, report)
+        if guard is not None:
+            guard.observe(call.thread_id, session, report)
+        return policy, report, erased
+
+    def _stream_tokens(self, session, watcher: "_TextWatcher", call: "_Call", kwargs: dict[str, Any]):
+        """Decode from the live cache, yielding ``("text", delta)``; returns the finish reason:
+        ``stop`` (a stop string, or the model's end of turn), ``length`` or ``timeout``."""
+        tokens = session.stream_tokens(call.max_tokens, temperature=float(kwargs.get("temperature", self.temperature)),
+                                       seed=kwargs.get("seed", self.seed),
+                                       logits_processor=processor(call.grammar) if call.grammar is not None else None)
+        t0, reason = time.perf_counter(), "length"
+        try:
+            for token in tokens:
+                delta = watcher.add(token)
+                if delta:
+                    yield "text", delta
+                if watcher.stopped:
+                    reason = "stop"
+                    break
+                if call.timeout is not None and time.perf_counter() - t0 > call.timeout:
+                    reason = "timeout"
+                    log.warning("kvmemory: decoding stopped after the %.1f s timeout (thread %r)", call.timeout,
+                                call.thread_id)
+                    break
+            else:
+                reason = "stop" if session.next_logits is None else "length"
+        finally:
+            tokens.close()
+        return reason
+
+    def _annotate(self, result: dict[str, Any], call: "_Call", policy: RepairPolicy, erased: dict | None) -> None:
+        """Add the strict-erase and fidelity-guard entries to the response metadata."""
+        if erased is not None:
+            result["metadata"]["erase"] = erased
+        guard = self.guard_for(call.model_name)
+        if guard is not None:
+            result["metadata"]["guard"] = {**guard.thread_info(call.thread_id), "policy": policy.label}
 
     def _grammar(self, runtime: _Runtime, tools, choice: str | None, response_format: dict | None):
         if response_format is not None:
@@ -557,21 +622,19 @@ def _erase_everywhere(registry: ThreadCaches, thread_id: str, session, report) -
     from every checkpoint store persisting ``registry``. Returns the response metadata entry."""
     if report.erased is None:
         return None
-    from .checkpointer import ERASERS  # the checkpointer imports this module's package
-
     dropped = [tid for tid in registry.thread_ids if tid.startswith(thread_id + "/") and registry.drop(tid)]
     stores, ids = [], session.take_erasures()
-    for saver in list(ERASERS.get(registry, ())):
+    for saver in list(registry.erase_stores):
         try:
             purge = saver.erase_messages(thread_id, ids, live_clean=True, during_run=True, recheck=True)
             stores.append(purge.to_dict())
         except Exception as exc:  # the answer still comes; the saver retries at its next put
-            saver._pending_erase.setdefault(thread_id, set()).update(ids)
+            saver.defer_erasures(thread_id, ids)
             log.warning("kvmemory: strict erase not purged from a checkpoint store yet (%s); retried at its next "
                         "checkpoint", exc)
             stores.append({"error": str(exc), "deferred": sorted(ids)})
     if not stores:
-        session.pending_erasures.extend(ids)  # a saver attached later purges them at its first put
+        session.defer_erasures(ids)  # a saver attached later purges them at its first put
     return {**report.erased, "side_caches_dropped": dropped, "stores": stores}
 
 

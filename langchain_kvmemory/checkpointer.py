@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-import weakref
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence
@@ -57,8 +56,6 @@ from .erase import Erasure, EraseReport, current_versions, is_sqlite_saver, purg
 
 log = logging.getLogger(__name__)
 
-# registry -> savers persisting it: a chat model purges a strict erase through them at once
-ERASERS: "weakref.WeakKeyDictionary[ThreadCaches, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 CACHE_KEY = "kvmemory_cache"  # checkpoint metadata key holding {"sha256", "size", "tokens"}
 BLOB_DIR_SUFFIX = ".kvcache"  # <database file>.kvcache/ holds the blobs
 
@@ -129,7 +126,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self._pending_erase: dict[str, set[str]] = {}  # ids erased but still in the thread's newest checkpoint
         self._evicted: dict[str, tuple[BlobRef, int]] = {}  # thread id -> (blob, tokens) of its state when evicted
         if self.threads is not None:
-            ERASERS.setdefault(self.threads, weakref.WeakSet()).add(self)
+            self.threads.erase_stores.add(self)
             self._persist_on_evict()
 
     # ------------------------------------------------------------ builders
@@ -346,6 +343,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     async def aerase_messages(self, thread_id: str, message_ids, *, live_clean: bool = False) -> EraseReport:
         """Async :meth:`erase_messages` (runs in a worker thread; call it while the thread is idle)."""
         return await asyncio.to_thread(self.erase_messages, thread_id, message_ids, live_clean=live_clean)
+
+    def defer_erasures(self, thread_id: str, message_ids) -> None:
+        """Keep ``message_ids`` of thread ``thread_id`` for the purge at its next checkpoint (a
+        purge that failed now, e.g. a locked database)."""
+        self._pending_erase.setdefault(str(thread_id), set()).update(str(i) for i in message_ids)
 
     def pending_erasures(self, thread_id: str) -> list[str]:
         """Ids strictly erased from the thread's cache whose stored snapshots are not purged yet."""

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 from langchain_core.messages import BaseMessage
 from langgraph.checkpoint.base import BaseCheckpointSaver
 
-from .blobs import BlobRef, BlobStore, _header_metadata
+from .blobs import BlobRef, BlobStore, header_metadata
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def _blob_metadata(store: BlobStore, sha: str) -> dict | None:
             head = f.read(8)
             n = int.from_bytes(head, "little")
             header = head + f.read(n)
-        meta = _header_metadata(header)
+        meta = header_metadata(header)
         rows = json.loads(header[8:])["token_ids"]["shape"][0]
         return {"messages": json.loads(meta.get("messages", "[]")), "exact_rows": int(meta.get("exact_rows", 0)),
                 "rows": int(rows)}

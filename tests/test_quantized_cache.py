@@ -136,7 +136,7 @@ def test_adapter_update_reprefills_into_a_cache_of_the_same_kind(tokenizer, back
     s.prepare(MSGS)
     kinds, stale = layer_kinds(s.cache), s.next_logits
     nudge(model)
-    report = s.reforge.maintain(s)
+    report = s.maintain()
 
     assert report.action == action and not report.mixed
     assert layer_kinds(s.cache) == kinds
@@ -145,7 +145,7 @@ def test_adapter_update_reprefills_into_a_cache_of_the_same_kind(tokenizer, back
     assert (ref.next_logits - stale).abs().max() > 1e-3, "the update does not matter: the test could not fail"
     assert_same_cache_content(model, s, ref)
     assert s.exact_rows == len(s.token_ids)
-    assert s.reforge.maintain(s).fallback is None  # nothing left to maintain, nothing to report
+    assert s.maintain().fallback is None  # nothing left to maintain, nothing to report
 
 
 # --------------------------------------------------------------------- memory

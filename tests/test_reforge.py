@@ -84,7 +84,7 @@ def test_full_suffix_recovery_equals_fresh_prefill(tokenizer, module, r_kv):
     s.prepare(MSGS)
     assert 2 in s.reforge.boundaries.states and s.reforge.boundary_bytes > 0
     nudge(pm, 2, module)
-    report = s.reforge.maintain(s)
+    report = s.maintain()
     assert (report.r_kv, report.start, report.end, report.action) == (r_kv, 2, LAYERS, "full_suffix")
     assert report.reanchored == list(range(r_kv)) and not report.mixed
     ref = fresh_logits(pm, tokenizer, MSGS)
@@ -101,8 +101,8 @@ def test_stale_and_bounded_leave_a_mixed_version_cache(tokenizer):
     nudge(pm, 2, "v_proj", scale=2.0)
     ref = fresh_logits(pm, tokenizer, MSGS)
     stale = s.fork()
-    stale.reforge.maintain(stale, policy="stale")
-    report = s.reforge.maintain(s)
+    stale.maintain(policy="stale")
+    report = s.maintain()
     assert (report.action, report.start, report.end) == ("bounded", 2, 4)
     versions = s.adapter_versions
     assert versions.mixed and versions.stale_layers == [4, 5]
@@ -112,7 +112,7 @@ def test_stale_and_bounded_leave_a_mixed_version_cache(tokenizer):
     assert stale.adapter_versions.stale_layers == [2, 3, 4, 5]
     # a later exact-suffix pass recovers the rest from the (refreshed) boundary
     s.reforge.config = ReforgeConfig(policy="exact_suffix")
-    s.reforge.maintain(s)
+    s.maintain()
     assert torch.allclose(s.next_logits, ref.next_logits, atol=1e-4) and not s.adapter_versions.mixed
 
 
@@ -121,7 +121,7 @@ def test_without_boundary_recovery_starts_at_the_embedding(tokenizer):
     s = KVSession(pm, tokenizer, "replay", reforge=ReforgeConfig(boundary_layers=()))
     s.prepare(MSGS)
     nudge(pm, 2, "v_proj")
-    report = s.reforge.maintain(s)
+    report = s.maintain()
     assert report.start == 0 and report.note and s.reforge.boundary_bytes == 0
     assert torch.allclose(s.next_logits, fresh_logits(pm, tokenizer, MSGS).next_logits, atol=1e-4)
 
@@ -166,7 +166,7 @@ def test_sliding_window_model_recovers_by_reprefill(tokenizer, caplog):
     s.prepare(MSGS)
     nudge(pm, 2, "v_proj")
     with caplog.at_level("WARNING"):
-        report = s.reforge.maintain(s)
+        report = s.maintain()
     assert report.action != "reuse" and "re-prefills" in caplog.text
     assert torch.allclose(s.next_logits, fresh_logits(pm, tokenizer, MSGS).next_logits, atol=1e-4)
     assert not s.adapter_versions.mixed
@@ -179,7 +179,7 @@ def test_stale_layers_clear_exact_rows(tokenizer):
     s.prepare(MSGS)
     assert s.exact_rows == len(s.token_ids)
     nudge(pm, 2, "v_proj")
-    s.reforge.maintain(s, policy="stale")
+    s.maintain(policy="stale")
     assert s.exact_rows == 0
     edited = [m for m in MSGS if m["id"] != "t2"]
     s.prepare(edited)  # replay = budget 100: every row recomputed under the current adapter
@@ -308,11 +308,11 @@ def test_real_model_suffix_recovery_bounded_and_certificates(real_lora, tokenize
     assert run.start == 15 and all(c.kl_holds and c.top1_holds for c in certs) and certs[0].kl > 0
     bounded = s.fork()
     bounded.reforge.config = ReforgeConfig(policy="fixed_window")
-    assert bounded.reforge.maintain(bounded).end == 17 and bounded.adapter_versions.mixed
-    report = s.reforge.maintain(s)
+    assert bounded.maintain().end == 17 and bounded.adapter_versions.mixed
+    report = s.maintain()
     ref = fresh_logits(model, tokenizer, msgs)
     assert (report.start, report.end) == (15, 30)
     assert torch.allclose(s.next_logits, ref.next_logits, atol=1e-4)
     assert torch.allclose(run.fresh, ref.next_logits, atol=1e-4)
-    stale.reforge.maintain(stale, policy="stale")
+    stale.maintain(policy="stale")
     assert first_token_kl(ref.next_logits, stale.next_logits) > first_token_kl(ref.next_logits, bounded.next_logits)

@@ -43,7 +43,7 @@ def session_trajectory(model, tokenizer, msgs, versions, profile):
     kls, recs = [], []
     for v in versions[1:]:
         load_snapshot(model, v)
-        report = s.reforge.maintain(s)
+        report = s.maintain()
         fresh = KVSession(model, tokenizer, "reprefill")
         fresh.prepare(msgs)
         kls.append(first_token_kl(fresh.next_logits, s.next_logits))

@@ -238,7 +238,7 @@ def test_kept_last_row_logits_are_not_served_after_an_adapter_update(tokenizer):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
-    s.reforge.maintain(s)  # what OnlineAdapter does for every live thread after a step
+    s.maintain()  # what OnlineAdapter does for every live thread after a step
     s.prepare(history())
     torch.testing.assert_close(s.next_logits, reprefill_logits(model, s.token_ids), atol=TOL, rtol=0)
 

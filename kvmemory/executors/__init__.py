@@ -16,8 +16,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..capabilities import packed_unsupported_reason
+from .packed import run_packed
 from .sequential import ForwardResult, run_direct, run_sequential
-from .packed import packed_unsupported_reason, run_packed
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ def run_refresh(
 ) -> ForwardResult:
     """Compute the rows of ``intervals`` with the chosen executor, in place on ``cache``.
 
-    Args / errors as :func:`kvmemory.execution.run_sequential`; ``backend`` selects the packed
-    executor's attention (``"sdpa"`` or ``"triton"``, see :func:`kvmemory.packed.run_packed`).
+    Args / errors as :func:`kvmemory.executors.sequential.run_sequential`; ``backend`` selects the packed
+    executor's attention (``"sdpa"`` or ``"triton"``, see :func:`kvmemory.executors.packed.run_packed`).
     """
     if choice.name == "packed":
         positions = torch.cat([torch.arange(a, b) for a, b in intervals])

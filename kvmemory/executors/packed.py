@@ -28,58 +28,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from .. import kvcache
-from ..capabilities import model_capabilities
+from ..errors import PackedUnsupportedError
+from ..capabilities import packed_unsupported_reason
 from .sequential import ForwardResult, check_positions, grow_to
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-PACKED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # angles depend on the position only
 BACKENDS = ("sdpa", "triton")
-_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_LAYER_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
-_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-class PackedUnsupportedError(ValueError):
-    """The packed executor cannot run this model or cache; the message says why."""
-
-
-def packed_unsupported_reason(model) -> str | None:
-    """Why the packed executor cannot run ``model`` (None: it can). Checked from the config and
-    the module structure, like ``capabilities.model_capabilities``."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model type {model_type!r} is not one of the packed executor's families ({', '.join(SUPPORTED_MODEL_TYPES)})"
-    if any((getattr(config, f, 0) or 0) > 1 for f in _EXPERT_FIELDS):
-        return "mixture-of-experts layers are not supported by the packed executor"
-    reuse = model_capabilities(config).row_reuse_reason
-    if reuse:
-        return f"not full attention everywhere ({reuse.split(';')[0]})"
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "nested"
-    if rope_type not in PACKED_ROPE_TYPES:
-        return f"rope_type {rope_type!r} is not a static RoPE the packed executor supports ({', '.join(PACKED_ROPE_TYPES)})"
-    if model.training:
-        return "the model is in training mode (dropout); call model.eval() to use the packed executor"
-    devices = {p.device for p in model.parameters()}
-    if len(devices) > 1:
-        return f"the model is spread over several devices ({', '.join(sorted(map(str, devices)))})"
-    return _structure_reason(model)
-
-
-def _structure_reason(model) -> str | None:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if decoder is None or not all(hasattr(decoder, p) for p in parts) or model.get_output_embeddings() is None:
-        return "the model does not expose the decoder modules the packed executor calls (custom model forward)"
-    if not type(decoder).__module__.startswith("transformers.models."):
-        return f"custom decoder class {type(decoder).__name__} (the packed executor calls transformers' own modules)"
-    for layer in decoder.layers:
-        if not all(hasattr(layer, m) for m in _LAYER_MODULES) or not all(hasattr(layer.self_attn, m) for m in _ATTN_MODULES):
-            return f"decoder layer {type(layer).__name__} lacks the norms/projections the packed executor calls"
-        if not hasattr(sys.modules[type(layer.self_attn).__module__], "apply_rotary_pos_emb"):
-            return f"{type(layer.self_attn).__name__}'s module has no apply_rotary_pos_emb"
-    return None
 
 
 def run_packed(

@@ -21,13 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import TritonUnavailableError
+
 BLOCK_M = 16  # packed query rows per tile
 BLOCK_N = 64  # K/V positions per tile
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read by @triton.jit at decoration time
-
-
-class TritonUnavailableError(RuntimeError):
-    """The Triton backend cannot launch here; the message names the fix."""
 
 
 def unavailable_reason(device: torch.device | str = "cpu") -> str | None:

@@ -119,7 +119,7 @@ class OnlineAdapter:
         out = {}
         for key, session in list(self.sessions.items()):
             if session.token_ids:
-                out[str(key)] = session.reforge.maintain(session, current)
+                out[str(key)] = session.maintain(current=current)
         return out
 
     def register(self, key: str, session) -> None:

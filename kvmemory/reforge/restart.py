@@ -105,7 +105,7 @@ class BoundaryStore:
             for h in handles:
                 h.remove()
 
-    def commit(self, captures, source_rows: torch.Tensor | None, rows: int, current: AdapterState | None) -> None:
+    def commit(self, captures, *, source_rows: torch.Tensor | None, rows: int, current: AdapterState | None) -> None:
         """Bring the states to the new cache layout after a forward/repair.
 
         Args:

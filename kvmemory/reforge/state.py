@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -29,6 +30,33 @@ from .runtime import POLICIES, Decision, decide
 from .versions import AdapterState, LayerAnchors, base_state, capture_adapter, lora_modules, unknown_state
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheView:
+    """What maintenance reads of a session: its cache, token ids (one per row), the factory of
+    an empty cache of its kind and the reason its rows cannot be rewritten in place (None: they
+    can). The session builds it; maintenance never holds the session."""
+
+    cache: Any
+    token_ids: Sequence[int]
+    cache_factory: Callable[[Any], Any]
+    row_reuse_reason: str | None = None
+
+
+@dataclass
+class Maintained:
+    """What maintenance produced, for the session to apply (it is the only writer of its state).
+
+    ``cache``: the maintained cache (the same object with layers rewritten in place, or a fresh
+    one after a re-prefill); ``next_logits``: fp32 ``[vocab]`` logits of the recomputed last row
+    (None: not recomputed); ``exact_rows``: the new count of leading rows equal to a fresh
+    prefill (None: unchanged)."""
+
+    report: "ReforgeReport"
+    cache: Any
+    next_logits: torch.Tensor | None = None
+    exact_rows: int | None = None
 
 
 @dataclass
@@ -95,17 +123,6 @@ class ReforgeReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def source_rows(plan) -> torch.Tensor:
-    """Old row index of each new row up to the last reused row (-1: computed anew), from an
-    EditPlan (exact prefix in place, reuse runs moved): how boundary states follow the K/V."""
-    end = max([plan.exact_prefix] + [n + length for n, _, length in plan.reuse])
-    rows = torch.full((end,), -1, dtype=torch.long)
-    rows[: plan.exact_prefix] = torch.arange(plan.exact_prefix)
-    for n, o, length in plan.reuse:
-        rows[n : n + length] = torch.arange(o, o + length)
-    return rows
 
 
 class ReforgeState:
@@ -212,7 +229,7 @@ class ReforgeState:
         with self.boundaries.recording(decoder_of(self.model).layers) as captures:
             yield captures
 
-    def commit(self, captures, source_rows, rows: int, recomputed_all: bool, current: AdapterState | None) -> None:
+    def commit(self, captures, *, source_rows, rows: int, recomputed_all: bool, current: AdapterState | None) -> None:
         """Record what a forward/repair did: boundary rows follow the K/V rows (``source_rows``:
         old row of each new row, -1 = computed; None = kept in place); anchors move to
         ``current`` only when every row was recomputed (or the cache was empty)."""
@@ -222,7 +239,7 @@ class ReforgeState:
             self.reset()
             return
         self.anchors.adopt(current)
-        self.boundaries.commit(captures, source_rows, rows, current)
+        self.boundaries.commit(captures, source_rows=source_rows, rows=rows, current=current)
         if recomputed_all or self.anchors.empty:
             self.anchors.set(range(self.num_layers), current)
         self.logits_version = current.digest
@@ -235,11 +252,11 @@ class ReforgeState:
             v != current.digest for v in self.anchors.layer_versions
         )
 
-    def maintain(self, session, current: AdapterState | None = None, policy: str | None = None) -> ReforgeReport:
-        """Bring ``session``'s cache to the active adapter under ``policy`` (default: the config's).
+    def maintain(self, view: CacheView, *, current: AdapterState | None = None, policy: str | None = None) -> Maintained:
+        """Bring ``view.cache`` to the active adapter under ``policy`` (default: the config's).
 
-        Changes ``session.cache`` (layers ``[r, b_t)`` and the last row) and
-        ``session.next_logits`` in place.
+        Rewrites layers ``[r, b_t)`` and the last row of ``view.cache`` in place (or re-prefills
+        into a fresh cache) and returns what the session must apply (``KVSession.maintain``).
 
         Raises:
             ValueError: unknown policy, or cachereforge / drift_only without a profile.
@@ -248,9 +265,11 @@ class ReforgeState:
         self._fallback = None
         current = current if current is not None else self.current()
         policy = policy or self.config.resolved_policy()
-        rows = kvcache.cache_length(session.cache)
+        out = Maintained(report=None, cache=view.cache)
+        rows = kvcache.cache_length(view.cache)
         if rows == 0:
-            return self._report(current, policy, None, rows, [], t0)
+            out.report = self._report(current, policy, None, rows, [], t0)
+            return out
         if self.anchors.empty:  # rows of unknown provenance: never trusted as current
             log.warning("kvmemory: cache rows without adapter anchors: every layer is recomputed")
             self.anchors.set(range(self.num_layers), unknown_state(self.num_layers))
@@ -262,17 +281,17 @@ class ReforgeState:
         if policy != "stale":  # the stale baseline reuses everything on purpose (reported stale)
             decision = _covering(decision, incomparable)
         if decision.action != "reuse":
-            self._execute(session, decision.start, decision.end, current)
+            self._execute(view, out, decision.start, decision.end, current)
         t1 = time.perf_counter()
         if self.anchors.report(current).stale_layers:
             # rows produced partly by an older adapter: none equals a fresh prefill any more, so a
             # later budget-100 repair must recompute from row 0 (see KVSession.exact_rows)
-            session.exact_rows = 0
+            out.exact_rows = 0
         if decision.action != "reuse" or self.logits_version != current.digest:  # the prefix changed
-            self._refresh_last_row(session, current)
-        report = self._report(current, policy, decision, rows, reanchored, t0, incomparable)
-        report.request_ms = (time.perf_counter() - t1) * 1000.0
-        return report
+            self._refresh_last_row(view, out, current)
+        out.report = self._report(current, policy, decision, rows, reanchored, t0, incomparable)
+        out.report.request_ms = (time.perf_counter() - t1) * 1000.0
+        return out
 
     def _reanchor_unchanged(self, current: AdapterState) -> tuple[list[int], list[int]]:
         """Layers whose K/V the change cannot reach keep their rows and take the new anchor."""
@@ -286,59 +305,57 @@ class ReforgeState:
             self.anchors.set(reanchored, current)
         return reanchored, invalid
 
-    def _execute(self, session, start: int, end: int, current: AdapterState) -> None:
+    def _execute(self, view: CacheView, out: Maintained, start: int, end: int, current: AdapterState) -> None:
         """Re-execute layers ``[start, end)`` over every cached row and overwrite their K/V in place;
         where rows cannot be overwritten exactly (capability gates), re-prefill every layer instead."""
-        reason = cache_unsupported_reason(session.cache) or session.capabilities.row_reuse_reason
+        reason = cache_unsupported_reason(out.cache) or view.row_reuse_reason
         if reason:  # quantized rows cannot be overwritten; sliding layers need their own masks
-            self._reprefill(session, current, f"CacheReforge re-prefills every layer instead of executing layers "
+            self._reprefill(view, out, current, f"CacheReforge re-prefills every layer instead of executing layers "
                                               f"[{start}, {end}): {reason}")
             return
-        ids = torch.tensor(session.token_ids, dtype=torch.long)
+        ids = torch.tensor(view.token_ids, dtype=torch.long)
         rows = ids.shape[0]
         hidden = embed(self.model, ids) if start == 0 else self.boundaries.states[start].hidden[:, :rows]
         keep = [b for b in self.boundaries.layers if start < b <= end]
         run = run_layers(self.model, hidden, start, end, keep_boundaries=keep)
-        overwrite_layers(session.cache, run)
+        overwrite_layers(out.cache, run)
         self.anchors.set(range(start, end), current)
         for layer, h in run.boundaries.items():
             self.boundaries.write(layer, h, current)
 
-    def _reprefill(self, session, current: AdapterState, reason: str) -> None:
+    def _reprefill(self, view: CacheView, out: Maintained, current: AdapterState, reason: str) -> None:
         """Re-prefill every cached row (the last one included, so its logits are the pending
         request's) under the current adapter in one forward, into a fresh cache of the session's
-        kind (``session.cache_factory``: a quantized session stays quantized). The exact fallback
+        kind (``view.cache_factory``: a quantized session stays quantized). The exact fallback
         where layer ranges cannot be re-executed in place; ``reason`` is logged and reported as
         ``ReforgeReport.fallback``. One forward of all rows, as a fresh prefill does: on a
         quantized cache a separate last row would attend to dequantized rows instead."""
         log.warning("kvmemory: %s", reason)
         self._fallback = reason
-        ids = torch.tensor(session.token_ids, dtype=torch.long)
-        session.cache = session.cache_factory(self.model.config)
+        ids = torch.tensor(view.token_ids, dtype=torch.long)
+        out.cache = view.cache_factory(self.model.config)
         with self.recording() as captures:
-            logits = forward_rows(self.model, session.cache, ids, 0)
-        self.boundaries.commit(captures, None, ids.shape[0], current)
+            logits = forward_rows(self.model, out.cache, ids, 0)
+        self.boundaries.commit(captures, source_rows=None, rows=ids.shape[0], current=current)
         self.anchors.set(range(self.num_layers), current)
-        if session.next_logits is not None:
-            session.next_logits = logits
+        out.next_logits = logits
         self.logits_version = current.digest
-        session.exact_rows = ids.shape[0]  # every row recomputed from the token ids
+        out.exact_rows = ids.shape[0]  # every row recomputed from the token ids
 
-    def _refresh_last_row(self, session, current: AdapterState) -> None:
+    def _refresh_last_row(self, view: CacheView, out: Maintained, current: AdapterState) -> None:
         """Recompute the last cached row through every layer under the current adapter (its
         logits are the pending request's first-token distribution)."""
-        gate = cache_unsupported_reason(session.cache)
+        gate = cache_unsupported_reason(out.cache)
         if gate and self._fallback is None:  # its last row cannot be cropped
-            self._reprefill(session, current, f"CacheReforge re-prefills the cache to recompute its last row: {gate}")
+            self._reprefill(view, out, current, f"CacheReforge re-prefills the cache to recompute its last row: {gate}")
         if self._fallback is not None:
             return  # _reprefill recomputed every row, the last one included
-        rows = len(session.token_ids)
-        kvcache.crop_to(session.cache, rows - 1)
+        rows = len(view.token_ids)
+        kvcache.crop_to(out.cache, rows - 1)
         with self.recording() as captures:
-            logits = forward_rows(self.model, session.cache, torch.tensor(session.token_ids[-1:]), rows - 1)
-        self.boundaries.commit(captures, None, rows, current)
-        if session.next_logits is not None:
-            session.next_logits = logits
+            logits = forward_rows(self.model, out.cache, torch.tensor(list(view.token_ids[-1:])), rows - 1)
+        self.boundaries.commit(captures, source_rows=None, rows=rows, current=current)
+        out.next_logits = logits
         self.logits_version = current.digest
 
     def _report(self, current, policy, decision: Decision | None, rows, reanchored, t0,

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import SelectionError
 from .a3 import a3
 from .bm25 import bm25_unit_scores
 from .cacheblend import cacheblend
@@ -30,10 +31,6 @@ from .unit_allocator import admit_units, allocate_units
 from .units import Unit, build_units
 
 FLOAT32_QUANTUM = 2.0**149  # every float32 is an integer multiple of 2^-149 (its smallest subnormal)
-
-
-class SelectionError(RuntimeError):
-    """Internal error: an allocator broke its contract (a bug, please report it)."""
 
 
 def _token_scores(inp: SelectionInput, embedding: torch.Tensor) -> list[float]:

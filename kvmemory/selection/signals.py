@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from .. import kvcache
+from ..edits import ReuseRun
 
 SHALLOW_LAYERS = 2  # CacheBlend / A3: "fresh two-layer edited prefill", layer 1 is read
 
@@ -140,7 +141,7 @@ class RepairSignals:
         eligible: sorted stale suffix positions (S of them) in the edited prompt.
         old_ids: the tokens the dirty cache holds (one per row).
         dirty_cache: rows for ``old_ids``; read only.
-        reuse: runs ``(new_start, old_start, length)`` mapping stale rows to their old rows.
+        reuse: :class:`kvmemory.edits.ReuseRun` runs mapping stale rows to their old rows.
         exact_prefix: g, rows ``[0, g)`` are shared by both prompts and exact.
         make_shift_cache: builds a fresh Shift cache (rows ``[0, end)`` for the edited prompt,
             suffix keys rotated, unknown rows zero) without touching ``dirty_cache``.
@@ -152,7 +153,7 @@ class RepairSignals:
     eligible: Sequence[int]
     old_ids: Sequence[int]
     dirty_cache: DynamicCache
-    reuse: Sequence[tuple[int, int, int]]
+    reuse: Sequence[ReuseRun]
     exact_prefix: int
     make_shift_cache: Callable[[], DynamicCache]
     shifter: object | None = None
@@ -172,7 +173,7 @@ class RepairSignals:
 
     def old_rows(self) -> list[int]:
         """Old (dirty-cache) row of every eligible position, aligned with ``eligible``."""
-        rows = {n + k: o + k for n, o, length in self.reuse for k in range(length)}
+        rows = {run.new_start + k: run.old_start + k for run in self.reuse for k in range(run.length)}
         return [rows[p] for p in self.eligible]
 
     def _once(self, key: str, compute: Callable[[], object] | None):

@@ -6,15 +6,12 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from ..errors import UnitPartitionError
 from .inputs import SelectionInput, validate_input
 from .regions import content_regions
 
 MIN_UNIT = 8  # units shorter than this merge with a neighbour in their container
 MAX_UNIT = 128  # units longer than this split into balanced chunks
-
-
-class UnitPartitionError(RuntimeError):
-    """Internal error: the units do not partition the eligible positions (a bug, please report it)."""
 
 
 @dataclass(frozen=True)

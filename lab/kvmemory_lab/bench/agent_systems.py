@@ -89,7 +89,7 @@ def build_session(config: dict[str, Any], lm: LoadedModel, tools: list[dict] | N
     unknown = sorted(set(config) - set(KVMEMORY_OPTIONS))
     if unknown:
         raise ValueError(f"unknown kvmemory option(s) {unknown}: supported {list(KVMEMORY_OPTIONS)}; "
-                         "add a new engine option to build_session in kvmemory/bench/agent_systems.py")
+                         "add a new engine option to build_session in lab/kvmemory_lab/bench/agent_systems.py")
     return KVSession(lm.model, lm.tokenizer, config["policy"], tools=tools)
 
 

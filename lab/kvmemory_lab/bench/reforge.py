@@ -168,7 +168,7 @@ def _step(w, sessions, sample, traj, scored: bool) -> None:
         fresh.prepare(list(sample.messages))
         rec["score"].append(100.0 * token_f1(fresh.generate(w.answer_tokens).text, sample.answer))
     for m, s in sessions.items():
-        report = s.reforge.maintain(s)
+        report = s.maintain()
         rec = traj[m]
         rec["maint"] += report.maintenance_ms / 1000.0
         rec["request"] += report.request_ms / 1000.0
