@@ -41,3 +41,9 @@ class ContextOverflowError(InputError):
 
 class ModelNotFoundError(KVMemoryError, FileNotFoundError):
     """The requested model (embedded or local folder) or its tokenizer cannot be found."""
+
+
+class EngineUnsupportedError(InputError):
+    """The fast engine cannot run this model (architecture, dtype, adapters, weights that are not
+    its GGUF blocks, no compiler for its kernel); the message says which. ``engine="auto"`` then
+    runs transformers' forward instead and reports the reason."""

@@ -15,6 +15,7 @@ from . import kvcache
 from .capabilities import model_capabilities
 from .edits import plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
+from .engine import status as engine_status
 from .execution import forward_rows
 from .policy import RepairPolicy, RepairReport
 from .positions import RotaryShifter, ShiftUnsupportedError
@@ -221,6 +222,7 @@ class KVSession:
         if maintenance is not None:  # CacheReforge brought the cache to a new adapter version first
             report.adapter = maintenance.as_dict()
             report.fallback = report.fallback or maintenance.fallback
+        report.engine = engine_status(self.model).as_dict()
         report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:
             log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
