@@ -27,6 +27,8 @@ from .repair import RepairContext, repair
 
 log = logging.getLogger(__name__)
 
+ANSWER_END_ROWS = 8  # rows an answer's end-of-turn text takes when committed (allocated with the answer)
+
 # transformers' LogitsProcessor convention: (input_ids [1, L], scores [1, vocab]) -> scores
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -399,11 +401,13 @@ class KVSession:
         seed: int | None = None,
         logits_processor: LogitsProcessor | None = None,
     ) -> Iterator[int]:
-        """Decode from the live cache, yielding each answer token id as soon as it is cached.
+        """Decode from the live cache, yielding each answer token id as soon as it is picked.
 
-        The session is consistent after every yielded token: closing the iterator early leaves
-        the answer so far in the cache with its next-token logits pending (like a ``length``
-        stop). After an end-of-turn token, ``next_logits`` is None.
+        A yielded token's row is computed when the iteration resumes or is closed, so a streamed
+        chunk never waits for a forward pass. The session is consistent whenever the iterator is
+        not suspended: closing it early leaves the answer so far in the cache (the last yielded
+        token included) with its next-token logits pending (like a ``length`` stop). After an
+        end-of-turn token, ``next_logits`` is None.
 
         Args:
             logits_processor: called as ``processor(input_ids, scores)`` before each pick, with
@@ -422,6 +426,7 @@ class KVSession:
         stop_ids = self.stop_token_ids()
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
+        capacity = len(self.token_ids) + limit + ANSWER_END_ROWS
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
         for _ in range(limit):
             logits = self.next_logits
@@ -431,19 +436,25 @@ class KVSession:
             if token in stop_ids:
                 self.next_logits = None
                 return
-            self.next_logits = self._forward_tracked(torch.tensor([token]), adapter)
-            if self.exact_rows == len(self.token_ids):  # a row computed on an exact cache is exact
-                self.exact_rows += 1
-            self.token_ids.append(token)
-            yield token
+            try:
+                yield token  # leaves as soon as it is picked; its row is computed on resume or close
+            finally:
+                self._append_token(token, adapter, capacity)
 
-    def _forward_tracked(self, ids: torch.Tensor, adapter) -> torch.Tensor:
+    def _append_token(self, token: int, adapter, capacity: int) -> None:
+        self.next_logits = self._forward_tracked(torch.tensor([token]), adapter, capacity)
+        if self.exact_rows == len(self.token_ids):  # a row computed on an exact cache is exact
+            self.exact_rows += 1
+        self.token_ids.append(token)
+
+    def _forward_tracked(self, ids: torch.Tensor, adapter, capacity: int | None = None) -> torch.Tensor:
         """Append ``ids`` (LongTensor ``[m]``) to the cache; CacheReforge records the boundary
         states of the new rows (one recording per forward: a suspended stream must not capture
-        other sessions' forwards on the shared model). Returns the fp32 next-token logits."""
+        other sessions' forwards on the shared model). ``capacity``: rows the cache is expected
+        to reach (see ``execution.forward_rows``). Returns the fp32 next-token logits."""
         start = len(self.token_ids)
         with self.reforge.recording() as captures:
-            logits = forward_rows(self.model, self.cache, ids, start)
+            logits = forward_rows(self.model, self.cache, ids, start, capacity=capacity)
         self.reforge.commit(captures, None, start + ids.shape[0], False, adapter)
         self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits)
         return logits

@@ -21,9 +21,6 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
-GRANULE = 256  # rows of capacity are allocated in multiples of this
-
-
 @dataclass
 class _Storage:
     all_keys: torch.Tensor  # [layers, 1, kv_heads, capacity, head_dim]
@@ -51,8 +48,12 @@ class CacheBuffers:
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self._storage: "weakref.WeakKeyDictionary[object, _Storage]" = weakref.WeakKeyDictionary()
 
-    def reserve(self, cache, start: int, rows: int) -> _Storage:
+    def reserve(self, cache, start: int, rows: int, capacity: int | None = None) -> _Storage:
         """Storage whose rows ``[0, start)`` equal the cache's and that has room for ``rows`` more.
+
+        ``capacity``: the rows the caller expects the cache to reach (e.g. prompt + answer limit),
+        allocated at once when the storage must grow; without it the storage grows to exactly
+        ``start + rows`` (no slack a memory budget did not reserve).
 
         Raises:
             ValueError: the cache does not hold exactly ``start`` rows.
@@ -62,7 +63,7 @@ class CacheBuffers:
             raise ValueError(f"the cache holds {held} rows, the engine was asked to append at row {start}")
         storage = self._storage.get(cache)
         if storage is None or not self._owns(cache, storage) or storage.capacity < start + rows:
-            storage = self._allocate(cache, start, start + rows)
+            storage = self._allocate(cache, start, max(start + rows, capacity or 0))
             self._storage[cache] = storage
         return storage
 
@@ -81,10 +82,9 @@ class CacheBuffers:
             layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, storage.published)
         )
 
-    def _allocate(self, cache, held: int, needed: int) -> _Storage:
-        """A fresh buffer per layer with spare capacity, rows ``[0, held)`` copied from the cache
-        and the spare rows zeroed (no stale state in memory the cache does not account for)."""
-        capacity = -(-(needed + needed // 8 + 64) // GRANULE) * GRANULE
+    def _allocate(self, cache, held: int, capacity: int) -> _Storage:
+        """A fresh buffer for every layer with ``capacity`` rows, rows ``[0, held)`` copied from the
+        cache and the spare rows zeroed (no stale state in memory the cache does not account for)."""
         shape = (len(cache.layers), 1, self.kv_heads, capacity, self.head_dim)
         keys = torch.empty(shape, dtype=self.dtype, device=self.device)
         values = torch.empty(shape, dtype=self.dtype, device=self.device)

@@ -90,14 +90,15 @@ class QuantizedLlama:
         return None
 
     @torch.no_grad()
-    def forward_rows(self, cache, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+    def forward_rows(self, cache, token_ids: torch.Tensor, start: int, capacity: int | None = None) -> torch.Tensor:
         """Compute and append rows ``[start, start+n)`` for ``token_ids`` (LongTensor ``[n]``).
 
         ``cache``: a ``DynamicCache`` of plain layers holding exactly ``start`` rows.
+        ``capacity``: rows to allocate at once if the storage must grow (see ``CacheBuffers.reserve``).
         Returns fp32 logits ``[vocab]`` predicting the token after the last input.
         """
         n = token_ids.shape[0]
-        storage = self.buffers.reserve(cache, start, n)
+        storage = self.buffers.reserve(cache, start, n, capacity)
         body = self.model.model
         hidden = body.embed_tokens(token_ids)  # [n, hidden]
         positions = torch.arange(start, start + n)[None]
