@@ -98,9 +98,10 @@ def engine_for(model, cache) -> QuantizedLlama | None:
 
 def unusable_reason(engine: QuantizedLlama) -> str | None:
     """Why an attached engine cannot compute rows right now (None: it can)."""
-    if _has_lora(engine.model):
+    reason = engine.stale_reason()
+    if reason and _has_lora(engine.model):
         return "a LoRA adapter is attached (the engine runs base weights only; transformers computes adapters)"
-    return engine.stale_reason()
+    return reason
 
 
 def build(model, gguf: Path) -> QuantizedLlama:

@@ -397,31 +397,41 @@ class LlamaDecoder {
   }
 
  private:
-  // softmax(q k^T * scale) v for every query head over rows [0, rows) of its key/value group
+  // softmax(q k^T * scale) v for every query head over rows [0, rows) of its key/value group.
+  // The query heads of one group are handled together so that each cached row is read once.
   void attend(const float* q, const float* keys, const float* values, int64_t capacity, int64_t rows, float* out) {
     const int64_t D = head_dim_, group = heads_ / kv_heads_;
-    at::parallel_for(0, heads_, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(rows);
-      for (int64_t hd = begin; hd < end; ++hd) {
-        const int64_t g = hd / group;
-        const float* qh = q + hd * D;
+    at::parallel_for(0, kv_heads_, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(group * rows), tops(group), totals(group);
+      for (int64_t g = begin; g < end; ++g) {
         const float* kg = keys + g * capacity * D;
         const float* vg = values + g * capacity * D;
-        float top = -INFINITY;
+        const float* qg = q + g * group * D;
+        std::fill(tops.begin(), tops.end(), -INFINITY);
         for (int64_t r = 0; r < rows; ++r) {
-          scores[r] = dot(qh, kg + r * D, D) * float(scale_);
-          top = std::max(top, scores[r]);
+          for (int64_t h = 0; h < group; ++h) {
+            const float score = dot(qg + h * D, kg + r * D, D) * float(scale_);
+            scores[h * rows + r] = score;
+            tops[h] = std::max(tops[h], score);
+          }
         }
-        float total = 0.f;
-        for (int64_t r = 0; r < rows; ++r) {
-          scores[r] = std::exp(scores[r] - top);
-          total += scores[r];
+        for (int64_t h = 0; h < group; ++h) {
+          float total = 0.f;
+          float* sh = scores.data() + h * rows;
+          for (int64_t r = 0; r < rows; ++r) {
+            sh[r] = std::exp(sh[r] - tops[h]);
+            total += sh[r];
+          }
+          totals[h] = total;
+          std::fill(out + (g * group + h) * D, out + (g * group + h + 1) * D, 0.f);
         }
-        float* oh = out + hd * D;
-        std::fill(oh, oh + D, 0.f);
         for (int64_t r = 0; r < rows; ++r) {
-          const float p = scores[r] / total;
-          for (int64_t j = 0; j < D; ++j) oh[j] += p * vg[r * D + j];
+          const float* vr = vg + r * D;
+          for (int64_t h = 0; h < group; ++h) {
+            const float p = scores[h * rows + r] / totals[h];
+            float* oh = out + (g * group + h) * D;
+            for (int64_t j = 0; j < D; ++j) oh[j] += p * vr[j];
+          }
         }
       }
     });
