@@ -150,7 +150,7 @@ class QuantizedLlama:
             probs = torch.softmax(torch.matmul(group, keys.transpose(1, 2)) * self.scale, dim=-1)
             return torch.matmul(probs, values).reshape(1, self.heads * self.head_dim)
         attn = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=self.scale,
-                                              enable_gqa=True)
+                                              is_causal=mask is None, enable_gqa=True)
         return attn[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
 
     def _qkv(self, layer: _Layer, x, dense):
@@ -177,8 +177,9 @@ def _watch(model) -> list:
 
 
 def _causal_mask(start: int, n: int) -> torch.Tensor | None:
-    """Boolean ``[n, start+n]`` (True = attend) for n > 1 new rows after ``start`` cached ones."""
-    if n == 1:
+    """Boolean ``[n, start+n]`` (True = attend) for n > 1 new rows after ``start`` > 0 cached ones;
+    None for one row (it sees everything) and for a prefill from row 0 (SDPA's causal kernel)."""
+    if n == 1 or start == 0:
         return None
     rows = torch.arange(start, start + n)[:, None]
     return torch.arange(start + n)[None, :] <= rows

@@ -445,11 +445,15 @@ class LlamaDecoder {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("q4_1_linear", &q4_1_linear, "x @ dequant(Q4_1 blocks).T in fp32");
-  module.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0 blocks).T in fp32");
+  // no Python object is touched inside: other Python threads run while a kernel computes
+  module.def("q4_1_linear", &q4_1_linear, "x @ dequant(Q4_1 blocks).T in fp32",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0 blocks).T in fp32",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<LlamaDecoder>(module, "LlamaDecoder")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>())
-      .def("step", &LlamaDecoder::step, "one decoded token through every layer; returns logits");
+      .def("step", &LlamaDecoder::step, "one decoded token through every layer; returns logits",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
