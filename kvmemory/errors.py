@@ -7,7 +7,8 @@ names the fix.
     ├── InputError (ValueError)                 a value cannot be used
     │   ├── MessageError                        a malformed message
     │   ├── UnknownMessageError (KeyError)      an edit names an id the session does not hold
-    │   └── ContextOverflowError                the prompt does not fit the model's context
+    │   ├── ContextOverflowError                the prompt does not fit the model's context
+    │   └── EngineUnsupportedError              the fast engine cannot run this model (reason)
     ├── InputTypeError (TypeError)              an argument of the wrong type
     ├── ModelNotFoundError (FileNotFoundError)  no model or tokenizer where it was looked for
     ├── TemplateError (ValueError)              a chat template that is not prefix-stable
@@ -95,3 +96,9 @@ class SelectionError(KVMemoryError, RuntimeError):
 
 class UnitPartitionError(KVMemoryError, RuntimeError):
     """Internal error: the units do not partition the eligible positions (a bug, please report it)."""
+
+
+class EngineUnsupportedError(InputError):
+    """The fast engine cannot run this model (architecture, dtype, adapters, weights that are not
+    its GGUF blocks, no compiler for its kernel); the message says which. ``engine="auto"`` then
+    runs transformers' forward instead and reports the reason."""

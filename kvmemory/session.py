@@ -15,6 +15,7 @@ from . import kvcache
 from .capabilities import model_capabilities
 from .edits import plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
+from .engine import status as engine_status
 from .executors.sequential import forward_rows
 from .policy import RepairPolicy, RepairReport
 from .shift import RotaryShifter, ShiftUnsupportedError
@@ -27,6 +28,7 @@ from .repair import RepairContext, repair
 log = logging.getLogger(__name__)
 
 KEEP_TOOLS = object()  # prepare(tools=...) omitted: the session keeps its tools
+ANSWER_END_ROWS = 8  # rows an answer's end-of-turn text takes when committed (allocated with the answer)
 
 # transformers' LogitsProcessor convention: (input_ids [1, L], scores [1, vocab]) -> scores
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -245,6 +247,7 @@ class KVSession:
         if maintenance is not None:  # CacheReforge brought the cache to a new adapter version first
             report.adapter = maintenance.as_dict()
             report.fallback = report.fallback or maintenance.fallback
+        report.engine = engine_status(self.model).as_dict()
         report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:
             log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
@@ -426,11 +429,13 @@ class KVSession:
         seed: int | None = None,
         logits_processor: LogitsProcessor | None = None,
     ) -> Iterator[int]:
-        """Decode from the live cache, yielding each answer token id as soon as it is cached.
+        """Decode from the live cache, yielding each answer token id as soon as it is picked.
 
-        The session is consistent after every yielded token: closing the iterator early leaves
-        the answer so far in the cache with its next-token logits pending (like a ``length``
-        stop). After an end-of-turn token, ``next_logits`` is None.
+        A yielded token's row is computed when the iteration resumes or is closed, so a streamed
+        chunk never waits for a forward pass. The session is consistent whenever the iterator is
+        not suspended: closing it early leaves the answer so far in the cache (the last yielded
+        token included) with its next-token logits pending (like a ``length`` stop). After an
+        end-of-turn token, ``next_logits`` is None.
 
         Args:
             logits_processor: called as ``processor(input_ids, scores)`` before each pick, with
@@ -449,6 +454,7 @@ class KVSession:
         stop_ids = self.stop_token_ids()
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
+        capacity = len(self.token_ids) + limit + ANSWER_END_ROWS
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
         for _ in range(limit):
             logits = self.next_logits
@@ -458,19 +464,25 @@ class KVSession:
             if token in stop_ids:
                 self.next_logits = None
                 return
-            self.next_logits = self._forward_tracked(torch.tensor([token]), adapter)
-            if self.exact_rows == len(self.token_ids):  # a row computed on an exact cache is exact
-                self.exact_rows += 1
-            self.token_ids.append(token)
-            yield token
+            try:
+                yield token  # leaves as soon as it is picked; its row is computed on resume or close
+            finally:
+                self._append_token(token, adapter, capacity)
 
-    def _forward_tracked(self, ids: torch.Tensor, adapter) -> torch.Tensor:
+    def _append_token(self, token: int, adapter, capacity: int) -> None:
+        self.next_logits = self._forward_tracked(torch.tensor([token]), adapter, capacity)
+        if self.exact_rows == len(self.token_ids):  # a row computed on an exact cache is exact
+            self.exact_rows += 1
+        self.token_ids.append(token)
+
+    def _forward_tracked(self, ids: torch.Tensor, adapter, capacity: int | None = None) -> torch.Tensor:
         """Append ``ids`` (LongTensor ``[m]``) to the cache; CacheReforge records the boundary
         states of the new rows (one recording per forward: a suspended stream must not capture
-        other sessions' forwards on the shared model). Returns the fp32 next-token logits."""
+        other sessions' forwards on the shared model). ``capacity``: rows the cache is expected
+        to reach (see ``executors.sequential.forward_rows``). Returns the fp32 next-token logits."""
         start = len(self.token_ids)
         with self.reforge.recording() as captures:
-            logits = forward_rows(self.model, self.cache, ids, start)
+            logits = forward_rows(self.model, self.cache, ids, start, capacity=capacity)
         self.reforge.commit(captures, source_rows=None, rows=start + ids.shape[0], recomputed_all=False, current=adapter)
         self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits)
         return logits

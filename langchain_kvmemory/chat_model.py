@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_tokens", "recomputed_tokens",
                "refreshed_tokens", "stale_tokens", "shifted_tokens", "intervals", "edits", "fallback",
-               "capability_notes", "executor", "executor_fallback", "latency_ms", "adapter")
+               "capability_notes", "executor", "executor_fallback", "latency_ms", "adapter", "engine")
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -78,15 +78,15 @@ class _Runtime:
 
 
 _GRAMMARS: "weakref.WeakKeyDictionary[Any, dict[int, Grammars]]" = weakref.WeakKeyDictionary()
-_RUNTIMES: dict[tuple[str, str], _Runtime] = {}
+_RUNTIMES: dict[tuple[str, str, str], _Runtime] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 
-def _runtime(model: str, dtype: str) -> _Runtime:
+def _runtime(model: str, dtype: str, engine: str) -> _Runtime:
     with _RUNTIMES_LOCK:
-        key = (model, dtype)
+        key = (model, dtype, engine)
         if key not in _RUNTIMES:
-            loaded = load_model(None if model in ("smollm2", "") else model, dtype)
+            loaded = load_model(None if model in ("smollm2", "") else model, dtype, engine=engine)
             _RUNTIMES[key] = _Runtime(loaded, template_renders_tools(loaded.tokenizer))
         return _RUNTIMES[key]
 
@@ -129,6 +129,10 @@ class ChatKVMemory(BaseChatModel):
     :class:`kvmemory.LoadedModel` that this instance alone runs."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Weights and cache dtype (CPU: fp32 is exact to Re-prefill, bf16 is faster)."""
+    engine: Literal["auto", "q4_1", "transformers"] = "auto"
+    """What computes cache rows (``kvmemory.load_model(engine=...)``): ``"auto"`` runs the embedded
+    model on its GGUF blocks (same weights, faster decoding on CPU) and other models on transformers;
+    ``response_metadata["repair"]["engine"]`` says which ran and why."""
     temperature: float = 0.0
     """Sampling temperature; 0 decodes greedily."""
     max_tokens: int = 256
@@ -206,7 +210,7 @@ class ChatKVMemory(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "dtype": self.dtype, "temperature": self.temperature,
+        return {"model": self.model, "dtype": self.dtype, "engine": self.engine, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "repair_policy": self.repair_policy}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
@@ -230,7 +234,7 @@ class ChatKVMemory(BaseChatModel):
         else the process-wide one kvmemory loaded from that name or folder."""
         if self._pinned is not None and name == self.model:
             return self._pinned
-        return _runtime(name, self.dtype)
+        return _runtime(name, self.dtype, self.engine)
 
     def threads_for(self, model: str | None = None) -> ThreadCaches:
         """The live-cache registry of ``model`` (default: this instance's model), loading it."""

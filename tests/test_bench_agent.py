@@ -78,7 +78,8 @@ def test_bench_agent_runs_every_system_and_step(model_dir, data, tmp_path, monke
     assert "llama.cpp skipped" in capsys.readouterr().out
     report, cell = _cells(tmp_path)
     assert META_KEYS <= set(report["meta"]) and report["meta"]["command"].startswith("kvmemory bench agent")
-    systems = ["kvmemory sur@5 fp32", "transformers fp32", "transformers bf16"]
+    # a folder model has no GGUF blocks: kvmemory's rows run on transformers (named in the system)
+    systems = ["kvmemory sur@5 fp32 transformers", "transformers fp32", "transformers bf16"]
     assert report["meta"]["systems"] == systems and set(cell) == {(s, st) for s in systems for st in STEPS}
     for row in report["rows"]:
         assert ROW_KEYS <= set(row) and row["context"] == 512 and len(row["trials_ms"]) == 1
@@ -87,7 +88,7 @@ def test_bench_agent_runs_every_system_and_step(model_dir, data, tmp_path, monke
     prompt = {st: cell[("transformers fp32", st)]["prompt_tokens"] for st in STEPS}
     for s in ("transformers fp32", "transformers bf16"):  # Re-prefill computes every prompt token every call
         assert all(cell[(s, st)]["prefilled_tokens"] == prompt[st] for st in STEPS)
-    kv = {st: cell[("kvmemory sur@5 fp32", st)] for st in STEPS}
+    kv = {st: cell[("kvmemory sur@5 fp32 transformers", st)] for st in STEPS}
     assert kv["first"]["prefilled_tokens"] == prompt["first"]
     assert kv["repeat"]["prefilled_tokens"] <= 1 and kv["decode"]["prefilled_tokens"] <= 1
     # the appended turn (+ the generation prompt it replaces) only
@@ -151,6 +152,8 @@ def test_bad_options_name_the_fix(data, tmp_path, capsys):
     assert "--policies" in capsys.readouterr().out
     assert main(["bench", "agent", "--quick", "--data", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "--data" in capsys.readouterr().out
+    assert main(["bench", "agent", "--quick", "--engines", "fast", "--data", str(data), "--out", str(tmp_path)]) == 2
+    assert "--engines" in capsys.readouterr().out
     assert not (tmp_path / "agent.json").exists()
 
 

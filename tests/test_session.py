@@ -18,7 +18,7 @@ from kvmemory.capabilities import model_capabilities
 from kvmemory.edits import plan_edits
 from kvmemory.models import load_model
 from kvmemory.prompt import normalize_messages, render_prompt
-from support import QUERY, history, prepared, tiny_model, without
+from support import QUERY, history, prepared, reprefill_logits, tiny_model, without
 
 REPREFILL = RepairPolicy(operator="reprefill")
 
@@ -290,3 +290,17 @@ def test_partial_conversion_folder_is_rebuilt(tmp_path, monkeypatch):
     lm = load_model()
     assert lm.path == broken and (broken / "model.safetensors").is_file()
     assert lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_a_streamed_token_leaves_before_its_row_is_computed(tokenizer):
+    session = prepared(tiny_model("llama"), tokenizer, history() + [QUERY])
+    rows = len(session.token_ids)
+    tokens = session.stream_tokens(5)
+    first = next(tokens)
+    assert len(session.token_ids) == rows  # picked and handed out; not forwarded yet
+    second = next(tokens)
+    assert session.token_ids[rows:] == [first]
+    tokens.close()  # closing computes the last handed-out token's row: nothing is lost
+    assert session.token_ids[rows:] == [first, second] and session.next_logits is not None
+    session.check_invariants()
+    torch.testing.assert_close(session.next_logits, reprefill_logits(session.model, session.token_ids), atol=1e-4, rtol=0)

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .. import kvcache
+from ..engine import engine_for
 from ..errors import InputTypeError
 
 
@@ -33,13 +34,23 @@ class ForwardResult:
     forwarded_tokens: int
 
 
-def forward_rows(model, cache: DynamicCache, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+def forward_rows(
+    model, cache: DynamicCache, token_ids: torch.Tensor, start: int, *, capacity: int | None = None
+) -> torch.Tensor:
     """Forward ``token_ids`` (LongTensor ``[n]``) at positions ``[start, start+n)`` against
     ``cache``, which must hold exactly ``start`` rows; appends n rows to it.
+
+    Runs on the model's attached engine (:mod:`kvmemory.engine`) when it can compute these rows
+    (a plain cache, no adapter, unmodified weights), else on the model's own forward.
+    ``capacity``: rows the cache is expected to reach (prompt + answer limit); the engine then
+    allocates them at once instead of growing row by row.
 
     Returns:
         fp32 logits ``[vocab]`` for the token after the last input position.
     """
+    fast = engine_for(model, cache)
+    if fast is not None:
+        return fast.forward_rows(cache, token_ids, start, capacity)
     n = token_ids.shape[0]
     positions = torch.arange(start, start + n, device=token_ids.device)[None]
     with torch.no_grad():

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget", type=_budgets, default=[2.0, 5.0], help="SUR budgets in %% (default 2,5)")
     demo.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
     demo.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
+    demo.add_argument("--engine", default="auto", choices=["auto", "q4_1", "transformers"],
+                      help="what computes cache rows (default auto: the embedded model on its GGUF blocks)")
     demo.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
     demo.add_argument("--passages", type=int, default=6, help="tool-result passages per case (default 6)")
     demo.add_argument("--max-new-tokens", type=int, default=32, help="answer length limit (default 32)")
@@ -93,7 +95,7 @@ def run_demo(args) -> int:
         return 2
     try:
         with console.status("loading model (the embedded model is converted once, ~30 s)"):
-            lm = load_model(args.model, args.dtype)
+            lm = load_model(args.model, args.dtype, engine=args.engine)
     except KVMemoryError as exc:  # missing model / tokenizer, bad dtype: the message names the fix
         console.print(str(exc), style="red", markup=False)
         return 1
@@ -106,7 +108,7 @@ def run_demo(args) -> int:
         source = "the built-in conversation (no ../shared/data found; set --data or KVMEMORY_DATA for HotpotQA)"
     policies = demo_policies(args.budget)
     session = KVSession(lm.model, lm.tokenizer)
-    console.print(f"model {lm.name} ({args.dtype}), {len(cases)} case(s) from {source}")
+    console.print(f"model {lm.name} ({args.dtype}, rows on {lm.engine.name}), {len(cases)} case(s) from {source}")
     results = []
     for case in tqdm(cases, desc="cases", disable=len(cases) < 2):
         result = run_case(session, case, policies, args.max_new_tokens)
@@ -116,7 +118,7 @@ def run_demo(args) -> int:
     if len(cases) > 1:
         _print_aggregate(aggregate(results), len(results))
     if args.json:
-        meta = {"model": lm.name, "dtype": args.dtype, "source": source, "budgets": args.budget,
+        meta = {"model": lm.name, "dtype": args.dtype, "engine": lm.engine.as_dict(), "source": source, "budgets": args.budget,
                 "passages": args.passages, "max_new_tokens": args.max_new_tokens}
         write_json(args.json, meta, results)
         console.print(f"wrote {args.json}")

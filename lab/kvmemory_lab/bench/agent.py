@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from kvmemory.engine import ENGINES
 from kvmemory.errors import KVMemoryError, ModelNotFoundError
 from kvmemory.models import embedded_gguf_path
 from kvmemory.policy import RepairPolicy
@@ -62,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tokens", type=int, default=None, help="tokens of the decode step (default 128)")
     parser.add_argument("--policies", default="sur@5", help="kvmemory repair policies, comma list (default sur@5)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="kvmemory's model dtype (default fp32)")
+    parser.add_argument("--engines", default="auto",
+                        help="kvmemory row engines, comma list of auto, q4_1, transformers (default auto)")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp CPU threads (default 2)")
     parser.add_argument("--quick", action="store_true", help="context 768, 1 trial, 4-token answers, 8-token decode (a fast check)")
     parser.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
@@ -77,6 +80,7 @@ def _settings(args) -> dict:
     base = QUICK if args.quick else FULL
     out = {k: getattr(args, k) if getattr(args, k) is not None else default for k, default in base.items()}
     out["policies"] = [p.strip() for p in args.policies.split(",") if p.strip()]
+    out["engines"] = [e.strip() for e in args.engines.split(",") if e.strip()]
     return out
 
 
@@ -86,6 +90,8 @@ def _check(settings: dict, data_dir, threads: int) -> str | None:
         return "--trials, --answer-tokens and --threads must be at least 1, --decode-tokens at least 2"
     if not settings["policies"]:
         return "--policies needs at least one kvmemory policy label, e.g. sur@5,replay"
+    if not settings["engines"] or set(settings["engines"]) - set(ENGINES):
+        return f"--engines takes a comma list of {', '.join(ENGINES)} (got {','.join(settings['engines']) or 'nothing'})"
     for label in settings["policies"]:
         try:
             RepairPolicy.coerce(label)
@@ -238,8 +244,11 @@ def run(args, console) -> int:
 def _systems(args, settings: dict, pool: ModelPool, chats: list[AgentChat]) -> tuple[list, list[str]]:
     """kvmemory per policy, transformers Re-prefill fp32 and bf16, llama.cpp when it can run."""
     tools = [SEARCH_TOOL]
-    systems: list = [KVMemorySystem({"engine": "kvmemory", "policy": p, "dtype": args.dtype}, pool.get(args.dtype), tools)
-                     for p in settings["policies"]]
+    systems: list = []
+    for engine in settings["engines"]:
+        lm = pool.get(args.dtype, engine)
+        systems += [KVMemorySystem({"engine": "kvmemory", "policy": p, "dtype": args.dtype, "rows": lm.engine.name}, lm, tools)
+                    for p in settings["policies"]]
     systems += [ReprefillSystem({"engine": "transformers", "dtype": d}, pool.get(d), tools) for d in ("fp32", "bf16")]
     skip = llama_cpp_missing()
     if skip is None and args.gguf is None and args.model is not None:
@@ -302,7 +311,7 @@ def _meta(args, settings: dict, pool: ModelPool, systems: list, skipped: list[st
     llama = next((s for s in systems if isinstance(s, LlamaCppSystem)), None)
     return {
         "command": getattr(args, "command_line", None), "threads": args.threads, "cpu_count": os.cpu_count(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "machine": machine_name(), "torch": torch.__version__, "transformers": transformers.__version__,
         "llama_cpp": llama.version if llama else None, "gguf": llama.gguf if llama else None,
         "model": pool.get(args.dtype).name,

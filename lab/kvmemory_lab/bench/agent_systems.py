@@ -31,7 +31,7 @@ from kvmemory.session import KVSession, stop_token_ids
 
 # keys a kvmemory configuration may carry; engine options (quantized cache, compiled decode)
 # join here, each turned into a KVSession argument by build_session
-KVMEMORY_OPTIONS = ("engine", "policy", "dtype")
+KVMEMORY_OPTIONS = ("engine", "policy", "dtype", "rows")
 
 
 @dataclass
@@ -54,22 +54,24 @@ class Call:
 
 @dataclass
 class ModelPool:
-    """The benchmarked model loaded once per dtype (``"fp32"`` / ``"bf16"``); ``model`` as for
+    """The benchmarked model loaded once per dtype (``"fp32"`` / ``"bf16"``) and row engine
+    (``load_model(engine=...)``: ``"auto"``, ``"q4_1"``, ``"transformers"``); ``model`` as for
     :func:`kvmemory.models.load_model` (None: the embedded SmolLM2-135M-Instruct)."""
 
     model: str | None = None
-    loaded: dict[str, LoadedModel] = field(default_factory=dict)
+    loaded: dict[tuple[str, str], LoadedModel] = field(default_factory=dict)
 
-    def get(self, dtype: str) -> LoadedModel:
-        if dtype not in self.loaded:
-            self.loaded[dtype] = load_model(self.model, dtype)
-        return self.loaded[dtype]
+    def get(self, dtype: str, engine: str = "auto") -> LoadedModel:
+        if (dtype, engine) not in self.loaded:
+            self.loaded[(dtype, engine)] = load_model(self.model, dtype, engine=engine)
+        return self.loaded[(dtype, engine)]
 
 
 def system_name(config: dict[str, Any]) -> str:
     """Display name of a system configuration, e.g. ``kvmemory sur@5 fp32``, ``transformers bf16``."""
     if config["engine"] == "kvmemory":
-        return f"kvmemory {config['policy']} {config['dtype']}"
+        rows = f" {config['rows']}" if config.get("rows") else ""
+        return f"kvmemory {config['policy']} {config['dtype']}{rows}"
     if config["engine"] == "transformers":
         return f"transformers {config['dtype']}"
     return f"llama.cpp {Path(config['gguf']).stem.rsplit('.', 1)[-1]}"
@@ -79,8 +81,9 @@ def build_session(config: dict[str, Any], lm: LoadedModel, tools: list[dict] | N
     """A fresh KVSession for one kvmemory configuration.
 
     Args:
-        config: ``{"engine": "kvmemory", "policy": label (e.g. "sur@5"), "dtype": "fp32" | "bf16"}``.
-        lm: the model loaded in ``config["dtype"]``. ``tools``: OpenAI-format tools the chat offers.
+        config: ``{"engine": "kvmemory", "policy": label (e.g. "sur@5"), "dtype": "fp32" | "bf16",
+            "rows": the engine computing rows ("q4_1" / "transformers", display only)}``.
+        lm: the model loaded in ``config["dtype"]`` with that engine. ``tools``: OpenAI-format tools the chat offers.
 
     Raises:
         ValueError: a key outside :data:`KVMEMORY_OPTIONS` (an engine option not wired here yet).

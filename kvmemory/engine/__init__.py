@@ -1,0 +1,184 @@
+"""kvmemory's execution engine: which code computes a model's new cache rows.
+
+``"transformers"``: the model's own forward (every model; the reference).
+``"q4_1"``: :class:`~kvmemory.engine.llama.QuantizedLlama`, a Llama-family forward over the GGUF
+blocks the model's weights were dequantized from, writing a pre-allocated cache. Same weights,
+1/5 of the bytes per decoded token; results equal to transformers' up to fp32 summation order.
+
+The engine is a setting of the loaded model (every session on it shares it), chosen with
+:func:`attach` (``kvmemory.load_model(engine="auto")`` does it for the embedded model). Every
+forward that appends rows to a plain ``DynamicCache`` (:func:`kvmemory.executors.sequential.forward_rows`)
+then runs on it; anything it cannot compute (a LoRA adapter, modified weights, a quantized or
+sliding-window cache) runs on transformers instead, and :func:`status` says which and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .buffers import plain_layers
+from ..errors import EngineUnsupportedError, InputError
+from .llama import QuantizedLlama, _Layer
+from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_gguf_blocks
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("auto", "q4_1", "transformers")
+
+_attached: "weakref.WeakKeyDictionary[torch.nn.Module, QuantizedLlama]" = weakref.WeakKeyDictionary()
+_refused: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """Which engine computes a model's rows: ``name`` (``"q4_1"`` / ``"transformers"``) and,
+    for transformers, ``reason`` why the fast engine does not run (None when it was not asked)."""
+
+    name: str
+    reason: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "reason": self.reason}
+
+
+def attach(model, gguf: str | Path, engine: str = "auto") -> EngineStatus:
+    """Run ``model``'s row computations on the quantized engine built from ``gguf``.
+
+    Args:
+        model: a transformers ``LlamaForCausalLM`` in fp32 on CPU, whose linear weights are the
+            dequantized Q4_1 blocks of ``gguf`` and whose head is its Q8_0 embedding (the embedded
+            SmolLM2 is). Checked weight by weight (~1 s for 135 M parameters).
+        engine: ``"auto"`` (use it when possible, else transformers, with the reason in
+            :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"transformers"`` (detach).
+
+    Returns:
+        EngineStatus of the model after the call.
+
+    Raises:
+        InputError: unknown ``engine``.
+        EngineUnsupportedError: ``engine="q4_1"`` and the model / file / machine cannot run it.
+    """
+    if engine not in ENGINES:
+        raise InputError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
+    _attached.pop(model, None)
+    _refused.pop(model, None)
+    if engine == "transformers":
+        return status(model)
+    try:
+        _attached[model] = build(model, Path(gguf))
+    except EngineUnsupportedError as exc:
+        if engine == "q4_1":
+            raise
+        _refused[model] = str(exc)
+        log.info("kvmemory: the quantized engine does not run this model: %s", exc)
+    return status(model)
+
+
+def status(model) -> EngineStatus:
+    """The engine that computes ``model``'s rows now (see :class:`EngineStatus`)."""
+    engine = _attached.get(model)
+    if engine is None:
+        return EngineStatus("transformers", _refused.get(model))
+    reason = unusable_reason(engine)
+    return EngineStatus("transformers", reason) if reason else EngineStatus(engine.kind)
+
+
+def engine_for(model, cache) -> QuantizedLlama | None:
+    """The quantized engine to append rows of ``cache`` with, or None (use transformers)."""
+    engine = _attached.get(model)
+    if engine is None or not plain_layers(cache) or unusable_reason(engine):
+        return None
+    return engine
+
+
+def unusable_reason(engine: QuantizedLlama) -> str | None:
+    """Why an attached engine cannot compute rows right now (None: it can)."""
+    reason = engine.stale_reason()
+    if reason and _has_lora(engine.model):
+        return "a LoRA adapter is attached (the engine runs base weights only; transformers computes adapters)"
+    return reason
+
+
+def build(model, gguf: Path) -> QuantizedLlama:
+    """Read ``gguf``'s blocks and check them against ``model``'s weights (see :func:`attach`).
+
+    Raises:
+        EngineUnsupportedError: architecture, dtype, device, adapters, or weights that are not the
+            file's blocks. KernelUnavailableError: the kernel cannot be compiled here.
+    """
+    reason = _architecture_reason(model)
+    if reason:
+        raise EngineUnsupportedError(reason)
+    if not gguf.is_file():
+        raise EngineUnsupportedError(f"no GGUF file at {gguf}")
+    kernel()  # compile (or fail) before reading 100 MB of blocks
+    blocks = load_gguf_blocks(gguf)
+    layers = [_verified_layer(model, i, blocks) for i in range(len(model.model.layers))]
+    head = blocks.get("output.weight", blocks.get("token_embd.weight"))
+    _check_equal(head, model.lm_head.weight, "lm_head")
+    return QuantizedLlama(model, layers, head)
+
+
+def _architecture_reason(model) -> str | None:
+    config = model.config
+    text = config.get_text_config()
+    if getattr(config, "model_type", None) != "llama" or not hasattr(model, "model"):
+        return f"architecture {getattr(config, 'model_type', type(model).__name__)!r} (the engine runs Llama decoders)"
+    params = list(model.parameters())
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
+        return "the model is not fp32 on CPU"
+    if _has_lora(model):
+        return "a LoRA adapter is attached"
+    if getattr(text, "attention_bias", False) or getattr(text, "mlp_bias", False):
+        return "biased linears"
+    if getattr(text, "pretraining_tp", 1) not in (1, None) or getattr(text, "hidden_act", "silu") != "silu":
+        return "tensor-parallel or non-SiLU MLP"
+    rope = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope != "default":
+        return f"rope_type {rope!r}"
+    return None
+
+
+def _has_lora(model) -> bool:
+    return any(hasattr(m, "lora_A") for m in model.modules())
+
+
+def _verified_layer(model, i: int, blocks: dict) -> _Layer:
+    module = model.model.layers[i]
+    attn, mlp = module.self_attn, module.mlp
+    text = model.config.get_text_config()
+
+    def get(name: str, target, heads: int | None = None) -> Q4Linear:
+        found = blocks.get(f"blk.{i}.{name}.weight")
+        if not isinstance(found, Q4Linear):
+            raise EngineUnsupportedError(f"layer {i} {name}: not a Q4_1 tensor in the GGUF file")
+        if heads is not None:  # llama.cpp stores q / k rows interleaved for its rotary layout
+            found = found.rows(_unpermute(found.shape[0], heads))
+        _check_equal(found, target.weight, f"layer {i} {name}")
+        return found
+
+    q = get("attn_q", attn.q_proj, text.num_attention_heads)
+    k = get("attn_k", attn.k_proj, text.num_key_value_heads)
+    v = get("attn_v", attn.v_proj)
+    gate, up = get("ffn_gate", mlp.gate_proj), get("ffn_up", mlp.up_proj)
+    return _Layer(Q4Linear.concat([q, k, v]), get("attn_output", attn.o_proj), Q4Linear.concat([gate, up]),
+                  get("ffn_down", mlp.down_proj), module)
+
+
+def _unpermute(rows: int, heads: int) -> torch.Tensor:
+    """Row order of transformers' weight in terms of llama.cpp's (its q/k permutation inverted)."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+def _check_equal(blocks, weight: torch.Tensor, name: str) -> None:
+    if not isinstance(blocks, (Q4Linear, Q8Linear)) or tuple(blocks.shape) != tuple(weight.shape):
+        raise EngineUnsupportedError(f"{name}: no block tensor of shape {tuple(weight.shape)} in the GGUF file")
+    if not torch.equal(blocks.dequantize(), weight.detach()):
+        raise EngineUnsupportedError(
+            f"{name}: the model's weights are not the GGUF file's blocks (fine-tuned, merged or another model)"
+        )
