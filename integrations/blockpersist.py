@@ -188,8 +188,7 @@ class BlockPersistence:
 
     def stored_bytes(self) -> int:
         """Bytes of every manifest and block in the store."""
-        return sum(len(self.store.get(k)) for k, _ in self.store.list("") if k.startswith(("manifest/", "block/"))
-                   and self.store.exists(k))
+        return self.store.nbytes("manifest/") + self.store.nbytes("block/")
 
     # --------------------------------------------------------- strict erase
     def tainted(self, erasure, thread_refs: set[str]) -> tuple[set[str], set[str]]:

@@ -114,6 +114,11 @@ class BlockStore(ABC):
                 pass
         return out
 
+    def nbytes(self, prefix: str = "") -> int:
+        """Bytes of the values under keys starting with ``prefix`` (backends override with a
+        size query that reads no values)."""
+        return sum(len(v) for v in self.get_many(k for k, _ in self.list(prefix)).values())
+
     def close(self) -> None:
         """Release connections (the store is unusable afterwards)."""
 
@@ -194,6 +199,15 @@ class FilesystemBlockStore(BlockStore):
                     yield key, path.stat().st_mtime
                 except FileNotFoundError:
                     continue
+
+    def nbytes(self, prefix: str = "") -> int:
+        total = 0
+        for key, _ in self.list(prefix):
+            try:
+                total += self.path(key).stat().st_size
+            except FileNotFoundError:
+                continue
+        return total
 
     def temp_files(self) -> list[Path]:
         """Leftovers of writes killed between the temporary write and the rename."""
@@ -304,6 +318,13 @@ class RedisBlockStore(BlockStore):
         for member, score in self.client.zscan_iter(f"{self.namespace}:written", match=f"{prefix}*"):
             yield member.decode(), float(score)
 
+    def nbytes(self, prefix: str = "") -> int:
+        keys = [k for k, _ in self.list(prefix)]
+        pipe = self.client.pipeline()
+        for key in keys:
+            pipe.strlen(self._k(key))
+        return sum(pipe.execute()) if keys else 0
+
     def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         return bool(self._acquire(keys=[self._k(f"lease/{name}")], args=[owner, int(ttl_s * 1000)]))
 
@@ -394,6 +415,11 @@ class PostgresBlockStore(BlockStore):
     def list(self, prefix: str = "") -> Iterator[tuple[str, float]]:
         rows = self._sql(f"SELECT key, written_at FROM {self.table} WHERE starts_with(key, %s)", (prefix,), "all")
         yield from ((k, float(t)) for k, t in rows)
+
+    def nbytes(self, prefix: str = "") -> int:
+        row = self._sql(f"SELECT coalesce(sum(octet_length(data)), 0) FROM {self.table} WHERE starts_with(key, %s)",
+                        (prefix,), "one")
+        return int(row[0])
 
     def acquire_lease(self, name: str, owner: str, ttl_s: float) -> bool:
         row = self._sql(

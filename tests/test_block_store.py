@@ -31,6 +31,7 @@ def test_values_are_write_once_and_listed_with_their_write_time(store):
     listed = dict(store.list("block/"))
     assert set(listed) == {"block/aa11"} and t0 <= listed["block/aa11"] <= time.time() + 5
     assert {k for k, _ in store.list("")} == {"block/aa11", "manifest/cc33"}
+    assert store.nbytes("block/") == 5 and store.nbytes("") == 6
     assert store.get_many(["block/aa11", "block/missing", "manifest/cc33"]) == {"block/aa11": b"first",
                                                                                 "manifest/cc33": b"m"}
     with pytest.raises(BlockMissing):

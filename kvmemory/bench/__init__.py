@@ -16,6 +16,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "reliability": ("langchain_kvmemory.reliability_bench",
                     "reliability: fuzzed edit sequences, SIGKILL crash safety, concurrent threads (report)"),
     "agent": ("agent", "agent hops side by side: kvmemory vs transformers Re-prefill vs llama.cpp (ms, TTFT, decode tok/s)"),
+    "persistence": ("langchain_kvmemory.persistence_bench",
+                    "scale-out persistence: bytes stored by token blocks, restore ms, 2 workers with random routing"),
     "quality": ("quality", "repair fidelity on Erasing-NIAH / multi-hop QA: 14 allocators x budgets, paired bootstrap"),
 }
 
