@@ -4,15 +4,18 @@ The rows of a cache state are cut at absolute positions 0, B, 2B, … (``block_t
 last block may be shorter). Each block holds the K/V rows of its tokens for every layer and is
 stored under a key that is a hash chain, the idea vLLM uses for its prefix blocks:
 
-    key_i = sha256(key_{i-1}, identity, kind, token ids of block i[, payload sha256])
+    exact block:  key_i = sha256(key_{i-1}, identity, "exact", token ids of block i)
+    stale block:  key_i = sha256(identity, "stale", first row, token ids of block i, sha256 of its rows)
 
 ``identity`` digests the model (name, base-weights digest, dtype), the block size and the
 adapter version of every cache layer, so rows computed by other weights or another adapter never
 share a key. ``kind`` keeps exactness in the key: a block whose rows all equal a Re-prefill's
 (rows below ``exact_rows``) is ``exact`` and its key depends only on its token prefix, so
 consecutive checkpoints of a thread and threads with the same prefix (system prompt, tools) share
-it. A block holding any stale row (after Shift / SUR) is ``stale`` and its key also covers the
-sha256 of its own bytes: it is never "the same block" as exact rows of the same tokens.
+it. A block holding any stale row (after Shift / SUR) is ``stale``: its key covers the sha256 of
+its own bytes, so it is never "the same block" as exact rows of the same tokens, and it is
+content-addressed rather than chained (a later refresh of one stale row changes that row's
+block only; the unchanged stale blocks after it keep their keys and are shared).
 
 Every stored value (block or manifest) is ``sha256(payload) || payload`` with a safetensors
 payload, so a reader proves what it loaded is what was written (truncation, bit rot) and, for a
@@ -52,10 +55,11 @@ def identity_digest(state: CacheState, block_tokens: int) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
-def chain_key(parent: str, identity: str, kind: str, tokens: list[int], payload_sha: str = "") -> str:
-    """The hex key of a block: sha256 over its parent's key, the identity, ``exact``/``stale``,
-    its token ids and (stale blocks) its payload's sha256."""
-    text = json.dumps([parent, identity, kind, tokens, payload_sha], separators=(",", ":"))
+def chain_key(parent: str, identity: str, kind: str, tokens: list[int], payload_sha: str = "", start: int = 0) -> str:
+    """The hex key of a block: sha256 over its parent's key (exact blocks; "" for stale ones), the
+    identity, ``exact``/``stale``, its token ids, and for stale blocks its first row and its
+    payload's sha256."""
+    text = json.dumps([parent, identity, kind, tokens, payload_sha, start], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -102,11 +106,24 @@ class EncodedState:
         return self.manifest_key.split("/", 1)[1]
 
 
-def _block_payload(state: CacheState, start: int, end: int, parent: str, identity: str, kind: str) -> bytes:
+def rows_digest(keys: torch.Tensor, values: torch.Tensor) -> str:
+    """sha256 of a block's K/V bytes (the safetensors header is not byte-stable: its metadata
+    order varies between calls, so a content address must hash the tensors themselves)."""
+    h = hashlib.sha256()
+    for t in (keys, values):
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _block_rows(state: CacheState, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     keys = torch.stack([k[0, :, start:end] for k, _ in state.layers]).contiguous()
     values = torch.stack([v[0, :, start:end] for _, v in state.layers]).contiguous()
-    meta = {"format": BLOCK_FORMAT, "parent": parent, "identity": identity, "kind": kind,
-            "tokens": json.dumps(state.token_ids[start:end])}
+    return keys, values
+
+
+def _block_payload(keys, values, tokens, start: int, parent: str, identity: str, kind: str) -> bytes:
+    meta = {"format": BLOCK_FORMAT, "parent": parent, "identity": identity, "kind": kind, "start": str(start),
+            "tokens": json.dumps(tokens)}
     return save_safetensors({"keys": keys, "values": values}, metadata=meta)
 
 
@@ -115,8 +132,8 @@ def encode_state(state: CacheState, block_tokens: int = DEFAULT_BLOCK_TOKENS, *,
     """Cut ``state`` into blocks of ``block_tokens`` rows and build its manifest.
 
     Args:
-        is_stored: ``is_stored(store_key) -> bool`` for exact blocks: those already stored are
-            not serialised again (stale blocks are always built: their key needs their bytes).
+        is_stored: ``is_stored(store_key) -> bool``: blocks already stored are not serialised
+            again.
         message_starts: token offset of each message (lets a strict erase find the first block a
             message influences, and a damaged block resume at a message boundary).
 
@@ -135,11 +152,13 @@ def encode_state(state: CacheState, block_tokens: int = DEFAULT_BLOCK_TOKENS, *,
         if exact:
             key = chain_key(parent, identity, "exact", tokens)
             if is_stored is None or not is_stored(f"block/{key}"):
-                data[f"block/{key}"] = seal(_block_payload(state, start, end, parent, identity, "exact"))
+                data[f"block/{key}"] = seal(_block_payload(*_block_rows(state, start, end), tokens, start, parent,
+                                                           identity, "exact"))
         else:
-            payload = _block_payload(state, start, end, parent, identity, "stale")
-            key = chain_key(parent, identity, "stale", tokens, hashlib.sha256(payload).hexdigest())
-            data[f"block/{key}"] = seal(payload)
+            keys, values = _block_rows(state, start, end)
+            key = chain_key("", identity, "stale", tokens, rows_digest(keys, values), start)
+            if is_stored is None or not is_stored(f"block/{key}"):
+                data[f"block/{key}"] = seal(_block_payload(keys, values, tokens, start, "", identity, "stale"))
         blocks.append(BlockRef(key, start, end - start, exact))
         parent = key
     manifest = _manifest_bytes(state, blocks, block_tokens, identity, message_starts)
@@ -215,9 +234,13 @@ def decode_block(data: bytes, ref: BlockRef, parent: str, identity: str) -> tupl
     except (SafetensorError, ValueError, KeyError) as exc:
         raise BlobError("unreadable", f"{what} is not a kvmemory block ({exc})") from exc
     kind = meta.get("kind")
-    payload_sha = hashlib.sha256(payload).hexdigest() if kind == "stale" else ""
-    if meta.get("parent") != parent or meta.get("identity") != identity or \
-            chain_key(parent, identity, kind, tokens, payload_sha) != ref.key or len(tokens) != ref.rows:
+    stale = kind == "stale"
+    parent = "" if stale else parent  # stale blocks are content-addressed, not chained
+    payload_sha = rows_digest(tensors["keys"], tensors["values"]) if stale else ""
+    start = ref.start if stale else 0
+    if kind not in ("exact", "stale") or meta.get("parent") != parent or meta.get("identity") != identity or \
+            (stale and meta.get("start") != str(ref.start)) or len(tokens) != ref.rows or \
+            chain_key(parent, identity, kind, tokens, payload_sha, start) != ref.key:
         raise BlobError("mismatch", f"{what} is not the block its manifest names (chain key differs)")
     return tensors["keys"], tensors["values"], tokens
 
