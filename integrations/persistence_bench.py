@@ -71,9 +71,24 @@ def run(args, console) -> int:
     if "workers" in parts:
         result["workers"] = workers_run(args, console)
     result["meta"]["load_after"] = load_average()
+    _carry_over(args.out / "persistence.json", parts, result)
     result.update(headline(result))
     write_outputs(args.out, result, console)
     return 0
+
+
+def _carry_over(path: Path, parts: set[str], result: dict) -> None:
+    """Keep the part not run now from an earlier persistence.json in the same folder (each part
+    may run on its own, e.g. to stay under 10 minutes), with that run's metadata."""
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    for part in {"storage", "workers"} - parts:
+        if part in old:
+            result[part] = old[part]
+            result["meta"].setdefault("parts_from_earlier_runs", {})[part] = old["meta"].get(
+                "parts_from_earlier_runs", {}).get(part, {k: old["meta"].get(k) for k in
+                                                          ("command", "started", "load_before", "load_after")})
 
 
 def headline(result: dict) -> dict:
@@ -255,6 +270,9 @@ def markdown(result: dict) -> str:
     lines = ["# Persistence benchmark", "", f"`{meta['command']}` on {meta['machine']}, {meta['model']}, "
              f"torch {meta['torch']} with {meta['torch_threads']} threads, load {meta['load_before']} → "
              f"{meta.get('load_after')}, started {meta['started']}, blocks of {meta['block_tokens']} tokens.", ""]
+    for part, earlier in meta.get("parts_from_earlier_runs", {}).items():
+        lines += [f"Part {part} is from `{earlier['command']}` (started {earlier['started']}, load "
+                  f"{earlier['load_before']} → {earlier['load_after']}).", ""]
     s = result.get("storage")
     if s:
         mb = 1 / 2**20
