@@ -23,12 +23,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from kvmemory.reforge.versions import base_weights_digest
 from kvmemory.threads import CacheState, CacheStateError, export_state
 
 from .blobs import BlobError, BlobRef
 from .blockstore import BlockMissing, BlockStore
-from .kvblocks import (DEFAULT_BLOCK_TOKENS, BlockRef, EncodedState, block_rows, encode_state, fetch_manifest,
-                       load_rows, manifest_messages)
+from .kvblocks import (DEFAULT_BLOCK_TOKENS, BlockRef, EncodedState, block_rows, encode_state, exact_block_keys,
+                       fetch_manifest, identity_digest, load_rows, manifest_messages)
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +116,7 @@ class BlockPersistence:
             CacheStateError: the manifest is not a kvmemory manifest.
         """
         manifest = fetch_manifest(self.store, ref.sha256)
-        have = {}
-        known = self.live_blocks.get(tid)
-        if live is not None and known is not None and known[0] == _live_fingerprint(live):
-            from kvmemory import kvcache
-
-            have = block_rows(kvcache.layer_tensors(live.cache), known[1])
-            have = {k: have[k] for k in (b.key for b in manifest.blocks) if k in have}
+        have = self._live_rows(tid, live, manifest) if live is not None else {}
         layers, fetched, error = load_rows(self.store, manifest, have)
         state = manifest.state
         info = {"blocks": len(manifest.blocks), "fetched": fetched, "reused": len(have), "error": None}
@@ -139,6 +134,27 @@ class BlockPersistence:
         self.stats.history.append({"thread": tid, **{k: v for k, v in info.items() if k != "block_refs"},
                                    "rows": len(state.token_ids)})
         return state, info
+
+    def _live_rows(self, tid: str, live, manifest) -> dict:
+        """Rows of ``manifest``'s blocks that the worker's live session already holds: its exact
+        blocks (keys from its token ids, exact_rows and identity) and, while the session is
+        unchanged since it was stored or restored, its stale blocks too."""
+        from kvmemory import kvcache
+
+        wanted = {b.key for b in manifest.blocks}
+        mine: list[BlockRef] = []
+        known = self.live_blocks.get(tid)
+        if known is not None and known[0] == _live_fingerprint(live):
+            mine = known[1]
+        elif live.token_ids and (versions := live.reforge.export_versions()) is not None:
+            probe = CacheState(token_ids=[], messages=[], tools=None, exact_rows=0, layers=[],
+                               model_name=manifest.state.model_name, model_dtype=str(next(live.model.parameters()).dtype),
+                               weights_digest=base_weights_digest(live.model), adapter_versions=versions)
+            identity = identity_digest(probe, manifest.block_tokens)
+            if identity == manifest.identity:
+                mine = exact_block_keys(live.token_ids, live.exact_rows, identity, manifest.block_tokens)
+        mine = [b for b in mine if b.key in wanted]
+        return block_rows(kvcache.layer_tensors(live.cache), mine) if mine else {}
 
     def adopt(self, tid: str, fingerprint: tuple, blocks: list[BlockRef]) -> None:
         """Record that the live cache of ``tid`` (at ``fingerprint``) holds exactly ``blocks``."""

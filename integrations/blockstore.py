@@ -287,10 +287,10 @@ class RedisBlockStore(BlockStore):
         return f"{self.namespace}:{check_key(key)}"
 
     def put(self, key: str, data: bytes) -> bool:
-        written = bool(self.client.set(self._k(key), data, nx=True))
-        if written:
-            self.client.zadd(f"{self.namespace}:written", {key: time.time()})
-        return written
+        pipe = self.client.pipeline(transaction=True)  # MULTI/EXEC: a listed key always has its value
+        pipe.set(self._k(key), data, nx=True)
+        pipe.zadd(f"{self.namespace}:written", {key: time.time()}, nx=True)  # keeps the first write time
+        return bool(pipe.execute()[0])
 
     def get(self, key: str) -> bytes:
         data = self.client.get(self._k(key))

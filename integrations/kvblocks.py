@@ -212,9 +212,9 @@ def manifest_messages(data: bytes) -> dict:
     header only; for strict erase). Raises BlobError when the value is damaged."""
     payload = unseal(data, "manifest")
     meta = _header_metadata(payload)
+    blocks = [BlockRef(str(k), int(s), int(r), bool(e)) for k, s, r, e in json.loads(meta.get("blocks", "[]"))]
     return {"messages": json.loads(meta.get("messages", "[]")), "exact_rows": int(meta.get("exact_rows", 0)),
-            "rows": len(json.loads(meta.get("blocks", "[]"))) and sum(r for _, _, r, _ in json.loads(meta["blocks"])),
-            "blocks": [BlockRef(str(k), int(s), int(r), bool(e)) for k, s, r, e in json.loads(meta.get("blocks", "[]"))],
+            "rows": sum(b.rows for b in blocks), "blocks": blocks,
             "message_starts": json.loads(meta.get("message_starts", "null"))}
 
 
@@ -292,6 +292,20 @@ def block_rows(layers: list[tuple[torch.Tensor, torch.Tensor]], blocks: list[Blo
         out[b.key] = (torch.stack([k[0, :, b.start:b.start + b.rows] for k, _ in layers]),
                       torch.stack([v[0, :, b.start:b.start + b.rows] for _, v in layers]))
     return out
+
+
+def exact_block_keys(token_ids: list[int], exact_rows: int, identity: str, block_tokens: int) -> list[BlockRef]:
+    """The exact blocks a cache holds, from its token ids alone: every block whose rows all lie
+    below ``exact_rows`` (no tensor is read; the keys are the chain over the token prefix)."""
+    blocks, parent = [], ROOT
+    for start in range(0, len(token_ids), block_tokens):
+        end = min(len(token_ids), start + block_tokens)
+        if end > exact_rows:
+            break
+        key = chain_key(parent, identity, "exact", token_ids[start:end])
+        blocks.append(BlockRef(key, start, end - start, True))
+        parent = key
+    return blocks
 
 
 def fetch_manifest(store: BlockStore, sha: str) -> Manifest:

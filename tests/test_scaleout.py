@@ -296,3 +296,54 @@ def test_postgres_saver_with_redis_blocks_two_workers(tokenizer, llama, tmp_path
     workers[0][0].delete_thread(thread)
     for cm in contexts:
         cm.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------------ real model
+@pytest.mark.real_model
+def test_real_model_workers_retention_and_a_damaged_block(tmp_path, real):
+    """The embedded model: two workers (own chat models) over one SQLite file and a shared block
+    store with retention 1; a damaged block of the newest state; answers as one worker's."""
+    from langchain_kvmemory.chat_model import ChatKVMemory
+    from langchain_kvmemory.workers import build_graph
+
+    turns = [[SystemMessage("You are brief.", id="sys"), HumanMessage("Name a colour of the sky.", id="u1")],
+             [HumanMessage("Name a fruit.", id="u2")], [HumanMessage("Name an animal.", id="u3")],
+             [HumanMessage("Name a city.", id="u4")]]
+    config = {"configurable": {"thread_id": "t"}}
+
+    def run(db, store, route, damage_before=None):
+        workers = {}
+        for name in sorted(set(route)):
+            cm = SqliteSaver.from_conn_string(str(db))
+            llm = ChatKVMemory(model=real, max_tokens=6)
+            saver = KVCheckpointSaver(cm.__enter__(), llm, block_store=store, block_tokens=16, keep_states=1,
+                                      worker_id=name)
+            workers[name] = (cm, saver, build_graph(llm, saver))
+        answers = []
+        for i, (name, turn) in enumerate(zip(route, turns)):
+            _, saver, graph = workers[name]
+            if i == damage_before:
+                entry = saver.saver.get_tuple(config).metadata[CACHE_KEY]  # the inner saver: no restore yet
+                path = store.path(f"block/{entry['blocks'][-2]}")  # one the other worker lacks
+                path.write_bytes(path.read_bytes()[:-10])  # truncated
+            with saver.lease_thread("t"):
+                out = graph.invoke({"messages": turn}, config)
+            answers.append((out["messages"][-1].content, out["messages"][-1].usage_metadata))
+            saver.collect_garbage(grace_s=0)
+        stats = {n: w[1].blocks.stats for n, w in workers.items()}
+        failures = {n: dict(w[1].restore_failures) for n, w in workers.items()}
+        for cm, _, _ in workers.values():
+            cm.__exit__(None, None, None)
+        return answers, stats, failures
+
+    one, _, _ = run(tmp_path / "one.sqlite", FilesystemBlockStore(tmp_path / "one"), ["A"] * 4)
+    store = FilesystemBlockStore(tmp_path / "shared")
+    two, stats, failures = run(tmp_path / "two.sqlite", store, ["A", "B", "A", "B"], damage_before=3)
+    assert [a for a, _ in two] == [a for a, _ in one]  # the same answers as one worker
+    for (_, got), (_, want) in zip(two[:3], one[:3]):  # turns 2-3: every token a single worker reused
+        assert got["input_token_details"]["cache_read"] == want["input_token_details"]["cache_read"]
+    assert stats["A"].restores == 1 and stats["A"].blocks_reused >= 1  # A fetched only what it lacked
+    resumed = stats["B"].history[-1]
+    assert resumed["error"].startswith("mismatch") and 0 < resumed["rows"] < two[3][1]["input_tokens"]
+    assert failures["B"]["t"].startswith("partial: mismatch")
+    assert two[3][1]["input_token_details"]["cache_read"] >= resumed["rows"] - 1  # the rest recomputed
