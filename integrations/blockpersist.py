@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from kvmemory.reforge.versions import base_weights_digest
-from kvmemory.threads import CacheState, CacheStateError, export_state
+from kvmemory.threads import CacheState, export_state
 
 from .blobs import BlobError, BlobRef
 from .blockstore import BlockMissing, BlockStore
