@@ -139,6 +139,7 @@ class Cluster:
     workers: int = 2
     options: WorkerOptions = field(default_factory=WorkerOptions)
     ready_timeout_s: float = 600.0
+    clear_on_exit: bool = True
 
     def __post_init__(self):
         import redis
@@ -169,6 +170,10 @@ class Cluster:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+        if self.clear_on_exit:  # queues and blocks of this cluster's namespaces (checkpoints stay in Postgres)
+            for pattern in (f"{self.options.namespace}:*", f"{self.options.namespace}-blocks:*"):
+                for key in self.queue.scan_iter(match=pattern):
+                    self.queue.delete(key)
 
     def _next_result(self, deadline: float) -> dict:
         while True:
@@ -191,7 +196,8 @@ class Cluster:
                   crash: set | None = None, job_timeout_s: float = 300.0) -> list[dict]:
         """Run ``len(texts)`` turns on every thread; each turn goes to a random live worker
         (``route="random"``) or always the first one (``"first"``). Turns of one thread run in
-        order; threads run concurrently. ``crash``: ``{(thread, turn), ...}`` jobs on which the
+        order; threads run concurrently. ``route="alternate"`` hands each next turn of a thread to
+        the next worker (deterministic: every turn after the first changes worker). ``crash``: ``{(thread, turn), ...}`` jobs on which the
         worker that gets them first dies mid-call; the job then goes to another worker.
 
         Returns the results in completion order."""
@@ -200,8 +206,13 @@ class Cluster:
         results, next_turn, pending = [], {t: 0 for t in threads}, {}
 
         def send(thread: str, turn: int, exclude: set[str] = frozenset()) -> None:
-            choices = [n for n in self.alive() if n not in exclude] if route == "random" else self.alive()[:1]
-            worker = rng.choice(choices)
+            choices = [n for n in self.alive() if n not in exclude]
+            if route == "random":
+                worker = rng.choice(choices)
+            elif route == "alternate":  # every turn of a thread on another worker than the last
+                worker = choices[(threads.index(thread) + turn) % len(choices)]
+            else:
+                worker = choices[0]
             job = {"id": uuid.uuid4().hex, "thread": thread, "turn": turn, "text": texts[turn],
                    "crash": worker if (thread, turn) in crash and not exclude else ""}
             pending[job["id"]] = (job, worker, time.monotonic())

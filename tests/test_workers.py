@@ -1,6 +1,7 @@
 """Many workers, one truth, on the real deployment pattern: two worker processes, each with its
 own embedded model and one compiled LangGraph graph over PostgresSaver + the Redis block store,
-threads handed to random workers each turn; and a worker killed mid-call."""
+each turn of a thread handed to another worker than the last (the random routing of
+``kvmemory bench persistence`` in its hardest, deterministic form); and a worker killed mid-call."""
 
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ def test_two_worker_processes_share_threads_without_reprefill_or_lost_messages(p
     crashed = f"crash-{tag}"
     with Cluster(2, options) as cluster:
         alone = cluster.run_turns(single, texts, route="first")
-        shared = cluster.run_turns(routed, texts, seed=3)
+        shared = cluster.run_turns(routed, texts, route="alternate")
         survived = cluster.run_turns([crashed], texts[:2], crash={(crashed, 1)})
         survivors = cluster.alive()
     assert len(survivors) == 1  # the worker that took turn 1 died mid-call
     reuse = {r["turn"]: r["reused_tokens"] for r in alone}
-    assert {r["worker"] for r in shared} == {"w0", "w1"} and sum(r["restored"] for r in shared) >= 1
+    assert {r["worker"] for r in shared} == {"w0", "w1"}
+    assert all(r["restored"] == 1 for r in shared if r["turn"] > 0)  # each later turn resumed on another worker
     for r in shared:  # any worker reuses what one worker alone would (same texts, greedy answers)
         assert r["reused_tokens"] == reuse[r["turn"]] and r["restore_failure"] is None
         assert r["turn"] == 0 or r["reused_tokens"] > 0  # no Re-prefill after the first turn
