@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from langchain_core.messages import AIMessage, HumanMessage, RemoveMessage, SystemMessage
+from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import START, MessagesState, StateGraph
 
@@ -347,3 +348,44 @@ def test_real_model_workers_retention_and_a_damaged_block(tmp_path, real):
     assert resumed["error"].startswith("mismatch") and 0 < resumed["rows"] < two[3][1]["input_tokens"]
     assert failures["B"]["t"].startswith("partial: mismatch")
     assert two[3][1]["input_token_details"]["cache_read"] >= resumed["rows"] - 1  # the rest recomputed
+
+
+# ---------------------------------------------------------- async and conformance
+async def test_async_workers_resume_from_the_newest_state(tmp_path, tokenizer, llama):
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+    store = FilesystemBlockStore(tmp_path / "blocks")
+    db = tmp_path / "a.sqlite"
+    single = _single_worker(llama, tokenizer, tmp_path, TURNS[:3])
+    reports: list = []
+    async with AsyncSqliteSaver.from_conn_string(str(db)) as inner_a, \
+            AsyncSqliteSaver.from_conn_string(str(db)) as inner_b:
+        savers = [KVCheckpointSaver(inner, ThreadCaches(llama, tokenizer), block_store=store, block_tokens=B,
+                                    worker_id=name) for inner, name in ((inner_a, "A"), (inner_b, "B"))]
+        graphs = [_graph(s.threads, s, reports) for s in savers]
+        for i, turn in enumerate(TURNS[:3]):
+            await graphs[i % 2].ainvoke({"messages": turn}, {"configurable": {"thread_id": "t"}})
+    assert [r.reused_tokens for r in reports] == [r.reused_tokens for r in single]
+    assert savers[0].blocks.stats.restores == 1 and savers[1].blocks.stats.restores == 1
+
+
+@checkpointer_test(name="KVCheckpointSaver(AsyncSqliteSaver, block store)")
+async def kv_block_saver():
+    import os
+    import tempfile
+
+    from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+    with tempfile.TemporaryDirectory() as folder:
+        async with AsyncSqliteSaver.from_conn_string(os.path.join(folder, "c.sqlite")) as inner:
+            yield KVCheckpointSaver(inner, ThreadCaches(tiny_model("llama"), _TOKENIZER[0]),
+                                    block_store=os.path.join(folder, "blocks"))
+
+
+_TOKENIZER: list = []
+
+
+async def test_conformance_with_a_block_store(tokenizer):
+    _TOKENIZER[:] = [tokenizer]
+    report = await validate(kv_block_saver)
+    assert report.passed_all_base(), report
