@@ -51,6 +51,9 @@ from kvmemory.errors import InputError, InputTypeError
 from kvmemory.threads import CacheState, CacheStateError, ThreadCaches, export_state
 
 from .blobs import BlobError, BlobRef, BlobStore
+from .blockpersist import BlockPersistence
+from .blockstore import BlockStore, open_block_store
+from .kvblocks import DEFAULT_BLOCK_TOKENS
 from .erase import Erasure, EraseReport, current_versions, is_sqlite_saver, purge_generic, purge_sqlite, shred, \
     sqlite_refs, tainted_blobs
 
@@ -96,9 +99,18 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             ``SqliteSaver`` (required for other savers and in-memory databases).
         search_depth: how many older checkpoints of a thread to look through for the newest
             blob reference when the requested checkpoint has none.
+        block_store: store caches as content-addressed token blocks in this shared store (a
+            :class:`~.blockstore.BlockStore`, a folder, or a ``redis://`` / ``postgresql://``
+            URL) instead of one blob per state; see :mod:`.blockpersist`. Needed for several
+            workers: each worker resumes a thread from the newest stored state.
+        block_tokens: rows per block (block layout).
+        keep_states: retention (block layout): :meth:`collect_garbage` keeps the blocks of the
+            newest ``keep_states`` cache states of each thread (None: all that checkpoints name).
+        worker_id: this worker's name in checkpoint metadata and leases (block layout).
 
     Raises:
-        ValueError: no ``blob_dir`` and none can be derived from ``saver``.
+        ValueError: no ``blob_dir`` and none can be derived from ``saver`` (blob layout), or bad
+            ``block_tokens`` / ``keep_states``.
         TypeError: ``caches`` has no thread registry.
         InputTypeError (TypeError): ``saver`` is not a LangGraph checkpoint saver.
         InputError (ValueError): ``search_depth`` not an int >= 1, or ``blob_dir`` is a file.
@@ -111,20 +123,30 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         *,
         blob_dir: str | Path | None = None,
         search_depth: int = 8,
+        block_store: BlockStore | str | Path | None = None,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        keep_states: int | None = None,
+        worker_id: str | None = None,
     ):
         _check_saver_arguments(saver, blob_dir, search_depth)
         super().__init__(serde=saver.serde)
         self.saver = saver
         self.threads = registry_of(caches) if caches is not None else None
-        self.store = BlobStore(blob_dir if blob_dir is not None else _default_blob_dir(saver))
+        self.blocks: BlockPersistence | None = None
+        if block_store is not None:
+            store = block_store if isinstance(block_store, BlockStore) else open_block_store(block_store)
+            self.blocks = BlockPersistence(store, block_tokens=block_tokens, keep_states=keep_states,
+                                           worker_id=worker_id)
+        self.store = None if self.blocks is not None else \
+            BlobStore(blob_dir if blob_dir is not None else _default_blob_dir(saver))
         self.search_depth = search_depth
         self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
         self.restored_from: dict[str, str] = {}  # thread id -> sha256 of the verified blob it resumed from
-        self._stored: dict[str, tuple[tuple, BlobRef]] = {}  # thread id -> (state fingerprint, blob)
+        self._stored: dict[str, tuple[tuple, BlobRef, dict]] = {}  # thread id -> (fingerprint, blob, metadata entry)
         self._rejected: set[tuple[str, str]] = set()  # (thread id, sha256) found unusable: not retried
         self.erase_reports: dict[str, EraseReport] = {}  # thread id -> its last strict-erase purge
         self._pending_erase: dict[str, set[str]] = {}  # ids erased but still in the thread's newest checkpoint
-        self._evicted: dict[str, tuple[BlobRef, int]] = {}  # thread id -> (blob, tokens) of its state when evicted
+        self._evicted: dict[str, tuple[BlobRef, dict]] = {}  # thread id -> (blob, metadata entry) when evicted
         if self.threads is not None:
             self.threads.erase_stores.add(self)
             self._persist_on_evict()
@@ -182,7 +204,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """The wrapped saver's tuple; restores the thread's stored cache if it is not live."""
         tup = self.saver.get_tuple(config)
-        if tup is not None and self._wants_restore(tup):
+        if tup is not None and self.blocks is not None:
+            if self._is_root_thread(tup):
+                self._sync_blocks(tup, self._older_sync(tup))
+        elif tup is not None and self._wants_restore(tup):
             ref = self._evicted_ref(tup) or self._newest_ref(tup, self._older_sync(tup))
             if ref is not None:
                 self._restore(_thread_and_ns(tup.config)[0], ref)
@@ -221,7 +246,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         """Async :meth:`get_tuple` (blob reading and import run in a worker thread)."""
         tup = await self.saver.aget_tuple(config)
-        if tup is not None and self._wants_restore(tup):
+        if tup is not None and self.blocks is not None:
+            if self._is_root_thread(tup):
+                older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
+                await asyncio.to_thread(self._sync_blocks, tup, older)
+        elif tup is not None and self._wants_restore(tup):
             ref = self._evicted_ref(tup)
             if ref is None:
                 older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
@@ -359,10 +388,16 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             sha for t in self.saver.list({"configurable": {"thread_id": tid}}) if (sha := _sha_of(t.metadata))]
         if tid in self._evicted:  # the state written at eviction is the thread's blob too
             refs = [*refs, self._evicted[tid][0].sha256]
-        tainted = tainted_blobs(self.store, ids, refs)
+        if self.blocks is not None:  # manifests are the blobs; blocks they name are shredded too
+            tainted, blocks = self.blocks.tainted(ids, set(refs))
+        else:
+            tainted = tainted_blobs(self.store, ids, refs)
         (purge_sqlite if sqlite else purge_generic)(self.saver, tid, ids, tainted, CACHE_KEY, report)
-        report.blobs_deleted = sorted(sha for sha in tainted if shred(self.store, sha))
-        for key, (_, ref) in list(self._stored.items()):
+        if self.blocks is not None:
+            report.blobs_deleted = sorted(self.blocks.shred(tainted, blocks))
+        else:
+            report.blobs_deleted = sorted(sha for sha in tainted if shred(self.store, sha))
+        for key, (_, ref, _) in list(self._stored.items()):
             if ref.sha256 in tainted:
                 self._stored.pop(key, None)
         if tid in self._evicted and self._evicted[tid][0].sha256 in tainted:
@@ -397,15 +432,41 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     def collect_garbage(self, *, grace_s: float = 300.0) -> list[str]:
         """Delete blobs no stored checkpoint references (older than ``grace_s`` seconds).
 
-        Reads every checkpoint's metadata through the wrapped saver. Returns the deleted sha256s.
+        Reads every checkpoint's metadata through the wrapped saver. Returns the deleted sha256s
+        (block layout: the deleted ``manifest/…`` and ``block/…`` keys, keeping only the blocks of
+        each thread's newest ``keep_states`` states; older checkpoints of a thread then no longer
+        restore a cache, their messages stay).
         """
+        if self.blocks is not None:
+            return self.blocks.collect_garbage(self.saver.list(None), self._evicted_entries(), grace_s)
         keep = {_ref_of(t.metadata).sha256 for t in self.saver.list(None) if _ref_of(t.metadata)}
         return self.store.collect_garbage(keep, grace_s=grace_s)
 
     async def acollect_garbage(self, *, grace_s: float = 300.0) -> list[str]:
         """Async :meth:`collect_garbage`."""
-        keep = {_ref_of(t.metadata).sha256 async for t in self.saver.alist(None) if _ref_of(t.metadata)}
+        tuples = [t async for t in self.saver.alist(None)]
+        if self.blocks is not None:
+            return await asyncio.to_thread(self.blocks.collect_garbage, tuples, self._evicted_entries(), grace_s)
+        keep = {_ref_of(t.metadata).sha256 for t in tuples if _ref_of(t.metadata)}
         return await asyncio.to_thread(self.store.collect_garbage, keep, grace_s=grace_s)
+
+    def _evicted_entries(self) -> list[dict]:
+        return [entry for _, entry in self._evicted.values() if entry.get("layout") == "blocks"]
+
+    # ------------------------------------------------------- many workers
+    def lease_thread(self, thread_id: str, *, ttl_s: float = 30.0, wait_s: float | None = 60.0):
+        """Context manager: hold the thread's lease in the shared block store while a run of it
+        executes, so no other worker runs it at once (renewed in the background; a dead
+        worker's lease expires after ``ttl_s`` seconds and the thread's messages are all in the
+        checkpoints). Wrap each ``graph.invoke`` of a thread in it.
+
+        Raises:
+            ValueError: the saver has no block store (pass ``block_store=``).
+            LeaseTimeout (TimeoutError): another worker held it longer than ``wait_s`` seconds.
+        """
+        if self.blocks is None:
+            raise ValueError("thread leases live in the shared block store: build the saver with block_store=...")
+        return self.blocks.lease(str(thread_id), ttl_s=ttl_s, wait_s=wait_s)
 
     # ------------------------------------------------------------ storing
     def _has_live_thread(self, config: RunnableConfig) -> bool:
@@ -421,36 +482,46 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             return metadata
         if tid not in self.threads:
             held = self._evicted.get(tid)
-            return metadata if held is None else {**metadata, CACHE_KEY: {**held[0].to_dict(), "tokens": held[1]}}
+            return metadata if held is None else {**metadata, CACHE_KEY: held[1]}
         self._evicted.pop(tid, None)  # live again: its live state is newer
         try:
-            stored = self._store_thread(tid)
-        except (OSError, CacheStateError) as exc:  # the checkpoint matters more than the cache: store it anyway
+            entry = self._store_thread(tid)
+        except Exception as exc:  # the checkpoint matters more than the cache (disk, server): store it anyway
             log.warning("kvmemory: thread %r: live cache not persisted (%s); a restart will re-prefill", tid, exc)
             return metadata
-        if stored is None:
-            return metadata
-        ref, tokens = stored
-        return {**metadata, CACHE_KEY: {**ref.to_dict(), "tokens": tokens}}
+        return metadata if entry is None else {**metadata, CACHE_KEY: entry}
 
-    def _store_thread(self, tid: str) -> tuple[BlobRef, int] | None:
+    def _present(self, ref: BlobRef) -> bool:
+        return self.blocks.present(ref) if self.blocks is not None else self.store.path(ref.sha256).is_file()
+
+    def _store_thread(self, tid: str) -> dict | None:
         """Persist the thread's last committed state: its state when no call runs on it, else (a
         call is mid-way, e.g. LangGraph writing an input checkpoint while the model node runs)
-        the blob stored for it last, if any. Never a half-prepared state, never a wait."""
+        the blob stored for it last, if any. Never a half-prepared state, never a wait.
+        Returns the checkpoint metadata entry naming it, or None."""
         with self.threads.idle(tid) as session:  # never creates one: an evicted thread stays evicted
             if session is None:
                 last = self._stored.get(tid)
-                return None if last is None or not self.store.path(last[1].sha256).is_file() else (last[1], last[0][1])
+                return None if last is None or not self._present(last[1]) else last[2]
             if not session.token_ids:
                 return None  # nothing cached yet (e.g. the input checkpoint of a new thread)
-            fingerprint = _fingerprint(session)
-            last = self._stored.get(tid)
-            if last is not None and last[0] == fingerprint and self.store.path(last[1].sha256).is_file():
-                return last[1], fingerprint[1]  # unchanged since the last put (e.g. a tool step)
+            return self._write_state(tid, session)
+
+    def _write_state(self, tid: str, session) -> dict:
+        """Store ``session``'s state unless unchanged since the last store (e.g. a tool step);
+        the caller holds the thread's lock. Returns the metadata entry."""
+        fingerprint = _fingerprint(session)
+        last = self._stored.get(tid)
+        if last is not None and last[0] == fingerprint and self._present(last[1]):
+            return last[2]
+        if self.blocks is not None:
+            ref, entry = self.blocks.write(tid, session, self.threads.model_name, fingerprint)
+        else:
             state = export_state(session, self.threads.model_name)
-        ref = self.store.put(state.tensors(), state.metadata())
-        self._stored[tid] = (fingerprint, ref)
-        return ref, len(state.token_ids)
+            ref = self.store.put(state.tensors(), state.metadata())
+            entry = {**ref.to_dict(), "tokens": len(state.token_ids)}
+        self._stored[tid] = (fingerprint, ref, entry)
+        return entry
 
     def _persist_on_evict(self) -> None:
         """Chain onto the registry's ``on_evict`` so an evicted thread's state is written first."""
@@ -470,17 +541,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         if not session.token_ids:
             return
         try:
-            fingerprint = _fingerprint(session)
-            last = self._stored.get(tid)
-            if last is not None and last[0] == fingerprint and self.store.path(last[1].sha256).is_file():
-                ref = last[1]
-            else:
-                state = export_state(session, self.threads.model_name)
-                ref = self.store.put(state.tensors(), state.metadata())
-        except (OSError, CacheStateError) as exc:
+            entry = self._write_state(tid, session)
+        except Exception as exc:  # best effort (disk, server): the thread re-prefills without it
             log.warning("kvmemory: thread %r: evicted cache not persisted (%s); its next turn re-prefills", tid, exc)
             return
-        self._evicted[tid] = (ref, len(session.token_ids))
+        self._evicted[tid] = (self._stored[tid][1], entry)
 
     def _forget(self, thread_id: str) -> None:
         tid = str(thread_id)
@@ -489,10 +554,71 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.restore_failures.pop(tid, None)
         self._pending_erase.pop(tid, None)
         self.restored_from.pop(tid, None)
+        if self.blocks is not None:
+            self.blocks.live_blocks.pop(tid, None)
         if self.threads is not None:
             self.threads.drop(tid)
 
     # ----------------------------------------------------------- restoring
+    def _is_root_thread(self, tup: CheckpointTuple) -> bool:
+        tid, ns = _thread_and_ns(tup.config)
+        return self.threads is not None and tid is not None and ns == ""
+
+    def _sync_blocks(self, tup: CheckpointTuple, older: list[CheckpointTuple]) -> None:
+        """Block layout: make the live cache the newest stored state. The live cache stays when
+        it is that state (or newer: this worker wrote the newest state); otherwise the newest
+        state is loaded, reusing the live rows of its blocks and fetching the others."""
+        tid = _thread_and_ns(tup.config)[0]
+        newest = next((c for c in [tup, *older] if CACHE_KEY in (c.metadata or {})), None)
+        entry = (newest.metadata or {})[CACHE_KEY] if newest is not None else None
+        own = entry is None or entry.get("writer") == self.blocks.worker_id
+        live = tid in self.threads
+        if own and tid in self._evicted and not live:
+            ref = self._evicted[tid][0]  # written here at eviction: not older than any checkpoint's
+        elif entry is None:
+            if not live:
+                self._reject(tid, "none", f"no stored cache in the thread's last {len(older) + 1} checkpoints")
+            return
+        else:
+            try:
+                ref = BlobRef.from_dict(entry)
+            except BlobError as exc:
+                if not live:
+                    self._reject(tid, "unreadable", str(exc))
+                return
+        if live and (own or (tid in self._stored and self._stored[tid][1].sha256 == ref.sha256)):
+            self.blocks.stats.live_kept += 1
+            return  # the live cache is the newest state (or this worker's newer one)
+        if (tid, ref.sha256) in self._rejected:
+            return
+        self._evicted.pop(tid, None)
+        self._restore_blocks(tid, ref)
+
+    def _restore_blocks(self, tid: str, ref: BlobRef) -> bool:
+        """Load the state ``ref`` names into the registry (live rows reused, other blocks fetched)."""
+        live = self.threads.get(tid)
+        try:
+            state, info = self.blocks.load(tid, ref, live)
+            session = self.threads.import_state(tid, state)
+        except BlobError as exc:
+            self._reject(tid, exc.reason, str(exc), ref)  # a live cache stays: the next call repairs it to
+            return False                                    # the messages (recomputing what it lacks)
+        except CacheStateError as exc:
+            self._reject(tid, "incompatible", str(exc), ref)
+            return False
+        fingerprint = _fingerprint(session)
+        self.blocks.adopt(tid, fingerprint, info["block_refs"])
+        if info["error"]:
+            self.restore_failures[tid] = f"partial: {info['error']} (resumed from {len(state.token_ids)} rows)"
+        else:
+            self.restore_failures.pop(tid, None)
+            self._stored[tid] = (fingerprint, ref, self.blocks.entry(ref, None, len(state.token_ids),
+                                                                     [b.key for b in info["block_refs"]]))
+        self.restored_from[tid] = ref.sha256
+        log.info("kvmemory: thread %r resumes from stored state %s (%d tokens; %d blocks fetched, %d reused from "
+                 "the live cache)", tid, ref.sha256[:12], len(state.token_ids), info["fetched"], info["reused"])
+        return True
+
     def _wants_restore(self, tup: CheckpointTuple) -> bool:
         tid, ns = _thread_and_ns(tup.config)
         return self.threads is not None and tid is not None and ns == "" and tid not in self.threads
@@ -545,7 +671,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.restore_failures.pop(tid, None)
         self._evicted.pop(tid, None)
         self.restored_from[tid] = ref.sha256
-        self._stored[tid] = (_fingerprint(self.threads.session(tid)), ref)
+        self._stored[tid] = (_fingerprint(self.threads.session(tid)), ref, {**ref.to_dict(), "tokens": len(state.token_ids)})
         log.info("kvmemory: thread %r resumes from its stored cache (%d tokens, blob %s)",
                  tid, len(state.token_ids), ref.sha256[:12])
         return True
