@@ -89,7 +89,7 @@ class RepairPolicy(BaseModel):
     erase: Erase = "none"
     scope: Scope = "edits"
     tolerance: float = Field(1e-3, ge=0.0, strict=True)
-    max_budget: float = Field(50.0, gt=0.0, le=100.0, strict=True)
+    max_budget: float = Field(32.0, gt=0.0, le=100.0, strict=True)
     start: float = Field(2.0, gt=0.0, le=100.0, strict=True)
     signal: Signal = "query_kl"
     on_cap: Literal["replay", "keep"] = "replay"

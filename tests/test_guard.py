@@ -147,3 +147,25 @@ def test_real_model_shift_is_caught_and_replay_is_clean(real):
     assert shift["last_sample"]["kl"] > 1e-3 and shift["escalations"] == 1 and shift["replay"]
     assert replay["last_sample"]["kl"] < 1e-6 and replay["escalations"] == 0
     assert guard.policy_for("shift", "shift").label == "replay"
+
+
+def test_teacher_forced_measure_scores_reprefill_answer_tokens(llama, tokenizer):
+    """The teacher-forced measure equals the mean per-token KL computed by hand from a Re-prefill
+    and a copy of the repaired cache, is 0 for an exact repair, and escalates above threshold."""
+    from kvmemory.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
+
+    guard = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-12, measure="teacher_forced", tokens=5))
+    session, _, sampled = _edited(llama, tokenizer, guard, "shift")
+    assert sampled and guard.wait(120)
+    sample = guard.thread_info("t")["last_sample"]
+    reference = KVSession(llama, tokenizer)
+    reference.prepare(session.messages, policy="reprefill")
+    probe = reference.fork()
+    answer = reference.generate(max_new_tokens=5).token_ids
+    expected = answer_fidelity(teacher_forced_logits(probe, answer), teacher_forced_logits(session, answer), answer, answer)
+    assert sample["kl"] == pytest.approx(expected.tf_kl, rel=1e-3, abs=1e-9) and sample["kl"] > 0
+    assert sample["escalated"]
+    exact = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-6, measure="teacher_forced", tokens=5))
+    _edited(llama, tokenizer, exact, "replay", thread="r")
+    assert exact.wait(120)
+    assert exact.thread_info("r")["last_sample"]["kl"] < 1e-6 and not exact.thread_info("r")["escalations"]
