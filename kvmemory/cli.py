@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
+
+from .policy import RepairPolicy
 
 console = Console(width=120)  # wide enough for the tables when piped
 
@@ -25,7 +27,7 @@ def _budgets(text: str) -> list[float]:
     return values
 
 
-ADAPTIVE_TOLERANCE = 1e-3  # the adaptive budget's default tolerance (RepairPolicy.tolerance)
+ADAPTIVE_TOLERANCE = RepairPolicy().tolerance  # the adaptive budget's default (kv_change signal)
 
 
 def _tolerances(text: str) -> list[float]:
@@ -47,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cases", type=int, default=1, help="number of questions (default 1)")
     demo.add_argument("--budget", type=_budgets, default=[2.0, 5.0], help="SUR budgets in %% (default 2,5)")
     demo.add_argument("--adaptive", type=_tolerances, default=[ADAPTIVE_TOLERANCE],
-                      help="tolerances of the adaptive budget sur@auto:<tolerance> shown next to the fixed budgets "
-                           f"(nats of query next-token KL between rounds; default {ADAPTIVE_TOLERANCE:g}; 'none' for none)")
+                      help="tolerances of the adaptive budget sur@auto (default signal kv_change: relative K/V change "
+                           f"of the rows a round refreshed) shown next to the fixed budgets (default {ADAPTIVE_TOLERANCE:g}; "
+                           "'none' for none)")
     demo.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
     demo.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
     demo.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
@@ -166,7 +169,7 @@ def _check_demo_args(args) -> str | None:
 def _print_case(result) -> None:
     console.print(f"\n[bold]Q:[/bold] {result.question}   [bold]gold:[/bold] {result.gold}")
     console.print(f"prompt {result.prompt_tokens} tokens after deleting a {result.deleted_tokens}-token tool result")
-    table = Table("method", "= re-prefill", "TF agree", "TF KL", "common prefix", "first-token KL", "recomputed",
+    table = Table(Column("method", no_wrap=True), "= re-prefill", "TF agree", "TF KL", "common prefix", "first-token KL", "recomputed",
                   "budget %", "latency ms", "answer")
     for m in result.methods:
         spent = "" if m.spent_budget is None else f"{m.spent_budget:.1f}"
@@ -182,7 +185,7 @@ def _short(answer: str, width: int = 56) -> str:
 
 
 def _print_aggregate(methods: dict, n: int) -> None:
-    table = Table("method", "agreement [95 % CI]", "TF agreement [95 % CI]", "TF KL", "common prefix",
+    table = Table(Column("method", no_wrap=True), "agreement [95 % CI]", "TF agreement [95 % CI]", "TF KL", "common prefix",
                   "first-token KL", "EM", "gold in answer", "recomputed (mean)", "budget % (mean)",
                   "latency ms (mean)", title=f"{n} cases")
     for name, m in methods.items():

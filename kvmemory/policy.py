@@ -53,16 +53,20 @@ class RepairPolicy(BaseModel):
     ``start``, 2·start, 4·start, ... % of the stale suffix up to ``max_budget`` %, and stops after
     the first round whose convergence ``signal`` falls below ``tolerance``:
 
+    - ``kv_change`` (default): the relative L2 change of the K/V rows the round refreshed against
+      their Shifted values (no extra rows);
     - ``query_kl``: KL(p_k ‖ p_{k-1}) in nats between the next-token distributions of
-      consecutive rounds, the query (last turn) recomputed after every round (round 0: Shift);
-    - ``kv_change``: the relative L2 change of the K/V rows the round refreshed (no extra rows).
+      consecutive rounds, the query (last turn) recomputed after every round (round 0: Shift).
+
+    The defaults (``kv_change``, tolerance 0.06, start 2 %, cap 32 %, Replay at the cap) were
+    chosen on held-apart tuning cases (benchmarks/results/fidelity/README.md).
 
     ``on_cap``: what happens when the signal has not settled by ``max_budget``: ``replay``
     (default: the suffix is replayed exactly, reported as ``fallback``) or ``keep`` (the capped
     refresh is kept). The report's ``adaptive`` entry lists every round and says what stopped it
     (``signal``, ``cap`` or ``exhausted``); ``budget`` in the report is the budget actually spent
     (refreshed / S, in %; 100 after a Replay).
-    Label: ``sur@auto:<tolerance>`` (e.g. ``sur@auto:0.001``).
+    Label: ``sur@auto:<signal>:<tolerance>`` (e.g. ``sur@auto:kv_change:0.06``).
 
     Selection options of the text allocators (sur, dense, window; our extension, defaults are the
     paper's): ``relevance="idf"`` weights each query token and the identical-token bonus of eq. 1
@@ -88,10 +92,10 @@ class RepairPolicy(BaseModel):
     backend: Backend = "sdpa"
     erase: Erase = "none"
     scope: Scope = "edits"
-    tolerance: float = Field(1e-3, ge=0.0, strict=True)
+    tolerance: float = Field(0.06, ge=0.0, strict=True)
     max_budget: float = Field(32.0, gt=0.0, le=100.0, strict=True)
     start: float = Field(2.0, gt=0.0, le=100.0, strict=True)
-    signal: Signal = "query_kl"
+    signal: Signal = "kv_change"
     on_cap: Literal["replay", "keep"] = "replay"
     relevance: Relevance = "paper"
     ties: Ties = "earliest"
@@ -132,8 +136,8 @@ class RepairPolicy(BaseModel):
     def coerce(cls, policy: "RepairPolicy | str") -> "RepairPolicy":
         """Accept a policy or its label: ``dirty``, ``shift``, ``replay``, ``reprefill``,
         ``reprefill:always``, ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``) or
-        ``<allocator>@auto[:<signal>][:<tolerance>]`` (adaptive budget, e.g. ``sur@auto:0.001``,
-        ``sur@auto:kv_change:0.05``). Selection options follow the allocator: ``+idf``
+        ``<allocator>@auto[:<signal>][:<tolerance>]`` (adaptive budget, e.g. ``sur@auto``,
+        ``sur@auto:0.1``, ``sur@auto:query_kl:0.0001``). Selection options follow the allocator: ``+idf``
         (relevance="idf"), ``+latest`` (ties="latest"), ``+tail<N>`` (tail_tokens=N), e.g.
         ``sur+idf+tail32@5``.
 
@@ -201,8 +205,7 @@ class RepairPolicy(BaseModel):
             f"+{part}" for part, on in (("idf", self.relevance == "idf"), ("latest", self.ties == "latest"),
                                         (f"tail{self.tail_tokens}", self.tail_tokens > 0)) if on)
         if self.budget == "auto":
-            signal = "" if self.signal == "query_kl" else f"{self.signal}:"
-            return f"{name}@auto:{signal}{self.tolerance:g}"
+            return f"{name}@auto:{self.signal}:{self.tolerance:g}"
         return f"{name}@{self.budget:g}"
 
 

@@ -24,9 +24,11 @@ def test_schedule_doubles_up_to_the_cap():
 
 
 def test_labels_round_trip_and_bad_input():
-    for label in ("sur@auto:0.001", "sur@auto:kv_change:0.05", "sur+idf+tail16@auto:0.01", "sur+latest@5"):
+    for label in ("sur@auto:query_kl:0.001", "sur@auto:kv_change:0.05", "sur+idf+tail16@auto:kv_change:0.01",
+                  "sur+latest@5"):
         assert RepairPolicy.coerce(label).label == label
     assert RepairPolicy.coerce("sur@auto").tolerance == RepairPolicy().tolerance
+    assert RepairPolicy.coerce("sur@auto:0.1").label == f"sur@auto:{RepairPolicy().signal}:0.1"
     assert RepairPolicy(budget="auto").effective_budget == RepairPolicy().max_budget
     for bad in ("sur@autox", "sur@auto:abc", "sur+nope@5"):
         with pytest.raises(ValueError):
@@ -75,7 +77,7 @@ def test_query_kl_values_are_the_change_between_rounds(tiny, tokenizer):
     _, model = tiny
     base = prepared(model, tokenizer, history())
     seen = []
-    policy = RepairPolicy(budget="auto", tolerance=0.0, max_budget=20.0, on_cap="keep")
+    policy = RepairPolicy(budget="auto", tolerance=0.0, signal="query_kl", max_budget=20.0, on_cap="keep")
     with adaptive.observe_rounds(lambda info, cache: seen.append(info)):
         s = base.fork()
         report = s.prepare(EDIT, policy=policy)

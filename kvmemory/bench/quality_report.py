@@ -8,7 +8,10 @@ from statistics import mean, median
 
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
 from ..metrics import contains_gold
+from ..policy import RepairPolicy
 from ..selection import ALLOCATOR_TITLES
+
+DEFAULT_SIGNAL = RepairPolicy().signal
 from .common import agg_pyplot
 
 REFERENCE_NAMES = ("dirty", "shift", "replay", "reprefill")
@@ -113,13 +116,14 @@ def bootstrap_table(records: list[dict]) -> list[dict]:
     return out
 
 
-def _adaptive_key(allocator: str, budget: str) -> tuple[str, str]:
-    """``("sur", "auto:0.001")`` -> ``("adaptive", "0.001")``; another signal or allocator gets its
-    own entry (``adaptive_kv_change``, ``adaptive[sur+idf]``)."""
-    parts = budget.split(":")[1:]
-    signal = parts.pop(0) if len(parts) > 1 else "query_kl"
-    key = "adaptive" + ("" if signal == "query_kl" else f"_{signal}") + ("" if allocator == "sur" else f"[{allocator}]")
-    return key, parts[0] if parts else "0.001"
+def _adaptive_key(allocator: str, rows: list[dict]) -> tuple[str, str]:
+    """Summary entry of an adaptive method, from what its repairs report: ``adaptive`` for SUR
+    with the default signal, ``adaptive_<signal>`` for the other, ``[allocator]`` for other
+    allocators; keyed by tolerance."""
+    info = next(m["adaptive"] for m in rows if m.get("adaptive"))
+    signal = info["signal"]
+    key = "adaptive" + ("" if signal == DEFAULT_SIGNAL else f"_{signal}") + ("" if allocator == "sur" else f"[{allocator}]")
+    return key, f"{info['tolerance']:g}"
 
 
 def _add_gold_in_answer(records: list[dict]) -> None:
@@ -140,7 +144,7 @@ def summarize(records: list[dict], meta: dict) -> dict:
         if "@" in method:
             allocator, budget = method.split("@")
             if budget.startswith("auto"):  # adaptive: keyed by tolerance, like the fixed budgets
-                key, tolerance = _adaptive_key(allocator, budget)
+                key, tolerance = _adaptive_key(allocator, _rows(records, method))
                 summary.setdefault(key, {})[tolerance] = agg
             else:
                 summary.setdefault(allocator, {})[budget] = agg
