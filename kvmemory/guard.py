@@ -6,9 +6,12 @@ prompt on a fresh cache to get Re-prefill's first-token distribution. It records
 measure and, above ``threshold``, escalates the thread. Measures:
 
 - ``first_token``: KL(p_reprefill ‖ p_repaired) of the first answer token (the paper's §8);
-- ``teacher_forced`` (our extension): Re-prefill decodes ``tokens`` greedy answer tokens and a
-  copy of the repaired cache (taken at ``observe``) scores them in one forward; the measure is
-  the mean KL per answer token, which also sees answers that split late.
+- ``teacher_forced`` (our extension, the default): Re-prefill decodes up to ``tokens`` greedy
+  answer tokens (and its end-of-turn token) and a copy of the repaired cache (taken at
+  ``observe``) scores them in one forward. The thread escalates when the repaired cache's top-1
+  differs from Re-prefill's token at any of these positions (the two greedy answers split within
+  ``tokens`` tokens) or when the mean KL per position exceeds ``threshold``. The sample records
+  the mean KL (``kl``) and the teacher-forced top-1 agreement (``tf_agreement``).
 
 Escalation: its budget b rises by ``step`` points (up to 100 %, i.e. Replay) or it switches to
 Replay at once. Escalations apply to the thread's later repairs; the answer of the sampled repair
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 
 REPAIR_EDITS = ("delete", "replace", "insert")  # edits that leave stale rows (appends are exact)
 # calibrated on the quality benchmark's QA and NIAH repairs (benchmarks/results/fidelity/README.md)
-DEFAULT_MEASURE = "first_token"
+DEFAULT_MEASURE = "teacher_forced"
 DEFAULT_THRESHOLD = 1e-2
 
 
@@ -62,7 +65,7 @@ class GuardConfig(BaseModel):
     fraction: float = Field(0.1, ge=0.0, le=1.0)
     threshold: float = Field(DEFAULT_THRESHOLD, ge=0.0)
     measure: Literal["first_token", "teacher_forced"] = DEFAULT_MEASURE
-    tokens: int = Field(16, ge=1, le=256)
+    tokens: int = Field(32, ge=1, le=256)
     step: float = Field(25.0, gt=0.0, le=100.0)
     action: Literal["raise_budget", "replay"] = "raise_budget"
     seed: int = 0
@@ -70,9 +73,11 @@ class GuardConfig(BaseModel):
 
 @dataclass
 class GuardSample:
-    """One check: ``kl`` in nats, the repair's ``operator`` / ``budget`` (%), whether it
-    escalated the thread and the thread's budget / operator afterwards, ``prompt_tokens``
-    re-prefilled and ``check_ms`` the background time (ms)."""
+    """One check: ``kl`` in nats (first-token KL, or the mean per position for the teacher-forced
+    measure), ``tf_agreement`` (teacher-forced top-1 agreement in [0, 1]; None for the
+    first-token measure), the repair's ``operator`` / ``budget`` (%), whether it escalated the
+    thread and the thread's budget / operator afterwards, ``prompt_tokens`` re-prefilled and
+    ``check_ms`` the background time (ms)."""
 
     thread_id: str
     kl: float
@@ -83,6 +88,7 @@ class GuardSample:
     budget_after: float | None
     operator_after: str | None
     check_ms: float
+    tf_agreement: float | None = None
 
 
 @dataclass
@@ -189,9 +195,9 @@ class FidelityGuard:
             cache = kvcache.new_cache(self.model.config)
             reference = forward_rows(self.model, cache, ids.to(device), 0)
             if copy is None:
-                kl = first_token_kl(reference, repaired.to(reference.device))
+                kl, agreement = first_token_kl(reference, repaired.to(reference.device)), None
             else:
-                kl = self._teacher_forced_kl(cache, reference, *copy, repaired, int(ids.shape[0]), device)
+                kl, agreement = self._teacher_forced(cache, reference, *copy, repaired, int(ids.shape[0]), device)
         except BaseException:
             with self._lock:
                 self._state(tid).pending -= 1
@@ -200,21 +206,23 @@ class FidelityGuard:
             state = self._state(tid)
             state.pending -= 1
             state.kls.append(kl)
-            escalated = kl > self.config.threshold and not state.replay
+            diverged = kl > self.config.threshold or (agreement is not None and agreement < 1.0)
+            escalated = diverged and not state.replay
             if escalated:
                 self._escalate(state, budget)
-                log.warning("kvmemory: fidelity guard: thread %r repair (%s, b=%s) has %s KL %.3g > %.3g "
-                            "nats: its later repairs use %s", tid, operator, budget, self.config.measure, kl,
-                            self.config.threshold,
+                log.warning("kvmemory: fidelity guard: thread %r repair (%s, b=%s) differs from Re-prefill "
+                            "(%s KL %.3g, threshold %.3g nats, top-1 agreement %s): its later repairs use %s", tid,
+                            operator, budget, self.config.measure, kl, self.config.threshold, agreement,
                             "Replay" if state.replay else f"budget {state.budget:g} %")
             sample = GuardSample(tid, kl, operator, budget, int(ids.shape[0]), escalated, state.budget,
-                                 "replay" if state.replay else None, (time.perf_counter() - t0) * 1000.0)
+                                 "replay" if state.replay else None, (time.perf_counter() - t0) * 1000.0, agreement)
             state.last = sample
         return sample
 
-    def _teacher_forced_kl(self, cache, reference, copy, stops: set[int], repaired, n: int, device) -> float:
-        """Mean KL(p_reprefill ‖ p_repaired) over up to ``tokens`` greedy Re-prefill answer tokens
-        (stops at an end-of-turn token), the repaired copy scoring them in one forward."""
+    def _teacher_forced(self, cache, reference, copy, stops: set[int], repaired, n: int, device) -> tuple[float, float]:
+        """(mean KL(p_reprefill ‖ p_repaired), top-1 agreement) over the positions of up to
+        ``tokens`` greedy Re-prefill answer tokens and the token after them (its end-of-turn token
+        when it stopped), the repaired copy scoring them in one forward."""
         rows, answer = [reference], []
         while len(answer) < self.config.tokens - 1:
             token = int(torch.argmax(rows[-1]))
@@ -229,7 +237,9 @@ class FidelityGuard:
                                  position_ids=torch.arange(n, n + len(answer), device=device)[None], cache=copy,
                                  use_cache=True)
             scored += list(out.logits[0].float())
-        return sum(first_token_kl(r, q) for r, q in zip(rows, scored)) / len(rows)
+        kl = sum(first_token_kl(r, q) for r, q in zip(rows, scored)) / len(rows)
+        agreement = sum(int(torch.argmax(r)) == int(torch.argmax(q)) for r, q in zip(rows, scored)) / len(rows)
+        return kl, agreement
 
     def _escalate(self, state: _ThreadState, budget: float | None) -> None:
         state.escalations += 1

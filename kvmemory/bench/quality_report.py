@@ -247,10 +247,10 @@ def _adaptive_section(summary: dict) -> list[str]:
     if not keys:
         return []
     lines = ["", "## Adaptive budget (budget='auto'; our extension, fixed b is the reference)", "",
-             "Calibration: `diverged | signal stop` = share of the repairs the signal stopped (not the cap) whose greedy "
-             "answer differs from Re-prefill's; `TF<1 | signal stop` the same for any teacher-forced disagreement.", "",
+             "Calibration: `diverged given signal stop` = share of the repairs the signal stopped (not the cap) whose greedy "
+             "answer differs from Re-prefill's; `TF<1 given signal stop` the same for any teacher-forced disagreement.", "",
              "| signal | tolerance | agreement | TF agreement | TF KL | common prefix | recomputed | spent budget % | rounds | "
-             "probe rows | stopped by signal | by cap | diverged \| signal stop | TF<1 \| signal stop | latency ms |",
+             "probe rows | stopped by signal | by cap | diverged given signal stop | TF<1 given signal stop | latency ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in keys:
         for tol, m in sorted(summary[key].items(), key=lambda kv: float(kv[0])):
