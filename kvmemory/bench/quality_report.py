@@ -250,7 +250,7 @@ def _adaptive_section(summary: dict) -> list[str]:
              "Calibration: `diverged given signal stop` = share of the repairs the signal stopped (not the cap) whose greedy "
              "answer differs from Re-prefill's; `TF<1 given signal stop` the same for any teacher-forced disagreement.", "",
              "| signal | tolerance | agreement | TF agreement | TF KL | common prefix | recomputed | spent budget % | rounds | "
-             "probe rows | stopped by signal | by cap | diverged given signal stop | TF<1 given signal stop | latency ms |",
+             "query rows re-run | stopped by signal | by cap | diverged given signal stop | TF<1 given signal stop | latency ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in keys:
         for tol, m in sorted(summary[key].items(), key=lambda kv: float(kv[0])):
