@@ -2,9 +2,18 @@
 
 On a configurable fraction of repairs (a seeded draw per thread), the guard copies the repaired
 prompt's token ids and the repaired first-token logits, and a worker thread re-prefills the
-prompt on a fresh cache to get Re-prefill's first-token distribution. It records
-KL(p_reprefill ‖ p_repaired) (the paper's first-token KL, §8) and, above ``threshold``, escalates
-the thread: its budget b rises by ``step`` points (up to 100 %, i.e. Replay) or it switches to
+prompt on a fresh cache to get Re-prefill's first-token distribution. It records the sampled
+measure and, above ``threshold``, escalates the thread. Measures:
+
+- ``first_token``: KL(p_reprefill ‖ p_repaired) of the first answer token (the paper's §8);
+- ``teacher_forced`` (our extension, the default): Re-prefill decodes up to ``tokens`` greedy
+  answer tokens (and its end-of-turn token) and a copy of the repaired cache (taken at
+  ``observe``) scores them in one forward. The thread escalates when the repaired cache's top-1
+  differs from Re-prefill's token at any of these positions (the two greedy answers split within
+  ``tokens`` tokens) or when the mean KL per position exceeds ``threshold``. The sample records
+  the mean KL (``kl``) and the teacher-forced top-1 agreement (``tf_agreement``).
+
+Escalation: its budget b rises by ``step`` points (up to 100 %, i.e. Replay) or it switches to
 Replay at once. Escalations apply to the thread's later repairs; the answer of the sampled repair
 is never delayed, and the live cache is never read after the copy or written at all.
 """
@@ -30,6 +39,9 @@ from .policy import RepairPolicy, RepairReport
 log = logging.getLogger(__name__)
 
 REPAIR_EDITS = ("delete", "replace", "insert")  # edits that leave stale rows (appends are exact)
+# calibrated on the quality benchmark's QA and NIAH repairs (benchmarks/results/fidelity/README.md)
+DEFAULT_MEASURE = "teacher_forced"
+DEFAULT_THRESHOLD = 1e-2
 
 
 class GuardConfig(BaseModel):
@@ -37,7 +49,9 @@ class GuardConfig(BaseModel):
 
     Attributes:
         fraction: share of repairs checked, in [0, 1] (0: the guard does nothing).
-        threshold: KL(p_reprefill ‖ p_repaired) in nats above which the thread escalates.
+        threshold: the measure (KL in nats) above which the thread escalates.
+        measure: ``first_token`` or ``teacher_forced`` (see the module docstring).
+        tokens: answer tokens the ``teacher_forced`` measure decodes and scores (>= 1).
         step: budget points (%) added to the thread's budget per escalation, in (0, 100].
         action: ``raise_budget`` (b += step, up to 100 = Replay) or ``replay`` (switch at once).
         seed: seeds the per-thread draws (thread ``t`` draws from ``Random(f"{seed}:{t}")``).
@@ -49,7 +63,9 @@ class GuardConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     fraction: float = Field(0.1, ge=0.0, le=1.0)
-    threshold: float = Field(1e-2, ge=0.0)
+    threshold: float = Field(DEFAULT_THRESHOLD, ge=0.0)
+    measure: Literal["first_token", "teacher_forced"] = DEFAULT_MEASURE
+    tokens: int = Field(32, ge=1, le=256)
     step: float = Field(25.0, gt=0.0, le=100.0)
     action: Literal["raise_budget", "replay"] = "raise_budget"
     seed: int = 0
@@ -57,9 +73,11 @@ class GuardConfig(BaseModel):
 
 @dataclass
 class GuardSample:
-    """One check: ``kl`` in nats, the repair's ``operator`` / ``budget`` (%), whether it
-    escalated the thread and the thread's budget / operator afterwards, ``prompt_tokens``
-    re-prefilled and ``check_ms`` the background time (ms)."""
+    """One check: ``kl`` in nats (first-token KL, or the mean per position for the teacher-forced
+    measure), ``tf_agreement`` (teacher-forced top-1 agreement in [0, 1]; None for the
+    first-token measure), the repair's ``operator`` / ``budget`` (%), whether it escalated the
+    thread and the thread's budget / operator afterwards, ``prompt_tokens`` re-prefilled and
+    ``check_ms`` the background time (ms)."""
 
     thread_id: str
     kl: float
@@ -70,6 +88,7 @@ class GuardSample:
     budget_after: float | None
     operator_after: str | None
     check_ms: float
+    tf_agreement: float | None = None
 
 
 @dataclass
@@ -145,8 +164,12 @@ class FidelityGuard:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmemory-guard")
         ids = torch.tensor(session.token_ids, dtype=torch.long)
         repaired = session.next_logits.detach().clone()
+        # the teacher-forced check scores answer tokens on its own copy of the repaired rows
+        copy = None
+        if self.config.measure == "teacher_forced":
+            copy = (kvcache.clone_cache(session.cache), session.stop_token_ids())
         budget = report.budget if report.operator in ("refresh", "shift", "replay") else None
-        future = self._executor.submit(self._check, tid, ids, repaired, report.operator, budget)
+        future = self._executor.submit(self._check, tid, ids, repaired, report.operator, budget, copy)
         with self._lock:
             self._futures.add(future)
         future.add_done_callback(self._finished)
@@ -163,13 +186,18 @@ class FidelityGuard:
         if future.exception() is not None:
             log.warning("kvmemory: fidelity guard check failed: %r", future.exception())
 
-    def _check(self, tid: str, ids: torch.Tensor, repaired: torch.Tensor, operator: str, budget) -> GuardSample:
+    def _check(self, tid: str, ids: torch.Tensor, repaired: torch.Tensor, operator: str, budget,
+               copy=None) -> GuardSample:
         """Worker: Re-prefill ``ids`` on a fresh cache, compare, escalate the thread if needed."""
         t0 = time.perf_counter()
         try:
             device = next(self.model.parameters()).device
-            reference = forward_rows(self.model, kvcache.new_cache(self.model.config), ids.to(device), 0)
-            kl = first_token_kl(reference, repaired.to(reference.device))
+            cache = kvcache.new_cache(self.model.config)
+            reference = forward_rows(self.model, cache, ids.to(device), 0)
+            if copy is None:
+                kl, agreement = first_token_kl(reference, repaired.to(reference.device)), None
+            else:
+                kl, agreement = self._teacher_forced(cache, reference, *copy, repaired, int(ids.shape[0]), device)
         except BaseException:
             with self._lock:
                 self._state(tid).pending -= 1
@@ -178,16 +206,40 @@ class FidelityGuard:
             state = self._state(tid)
             state.pending -= 1
             state.kls.append(kl)
-            escalated = kl > self.config.threshold and not state.replay
+            diverged = kl > self.config.threshold or (agreement is not None and agreement < 1.0)
+            escalated = diverged and not state.replay
             if escalated:
                 self._escalate(state, budget)
-                log.warning("kvmemory: fidelity guard: thread %r repair (%s, b=%s) has first-token KL %.3g > %.3g "
-                            "nats: its later repairs use %s", tid, operator, budget, kl, self.config.threshold,
+                log.warning("kvmemory: fidelity guard: thread %r repair (%s, b=%s) differs from Re-prefill "
+                            "(%s KL %.3g, threshold %.3g nats, top-1 agreement %s): its later repairs use %s", tid,
+                            operator, budget, self.config.measure, kl, self.config.threshold, agreement,
                             "Replay" if state.replay else f"budget {state.budget:g} %")
             sample = GuardSample(tid, kl, operator, budget, int(ids.shape[0]), escalated, state.budget,
-                                 "replay" if state.replay else None, (time.perf_counter() - t0) * 1000.0)
+                                 "replay" if state.replay else None, (time.perf_counter() - t0) * 1000.0, agreement)
             state.last = sample
         return sample
+
+    def _teacher_forced(self, cache, reference, copy, stops: set[int], repaired, n: int, device) -> tuple[float, float]:
+        """(mean KL(p_reprefill ‖ p_repaired), top-1 agreement) over the positions of up to
+        ``tokens`` greedy Re-prefill answer tokens and the token after them (its end-of-turn token
+        when it stopped), the repaired copy scoring them in one forward."""
+        rows, answer = [reference], []
+        while len(answer) < self.config.tokens - 1:
+            token = int(torch.argmax(rows[-1]))
+            if token in stops:
+                break
+            answer.append(token)
+            rows.append(forward_rows(self.model, cache, torch.tensor([token], device=device), n + len(answer) - 1))
+        scored = [repaired.to(device).float()]
+        if answer:
+            with torch.no_grad():
+                out = self.model(input_ids=torch.tensor([answer], device=device),
+                                 position_ids=torch.arange(n, n + len(answer), device=device)[None], cache=copy,
+                                 use_cache=True)
+            scored += list(out.logits[0].float())
+        kl = sum(first_token_kl(r, q) for r, q in zip(rows, scored)) / len(rows)
+        agreement = sum(int(torch.argmax(r)) == int(torch.argmax(q)) for r, q in zip(rows, scored)) / len(rows)
+        return kl, agreement
 
     def _escalate(self, state: _ThreadState, budget: float | None) -> None:
         state.escalations += 1

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 from .errors import InputError, InputTypeError
 from .selection import ALLOCATOR_NAMES
@@ -16,6 +16,9 @@ Executor = Literal["auto", "packed", "sequential", "direct"]
 Backend = Literal["sdpa", "triton"]
 Erase = Literal["none", "strict"]
 Scope = Literal["edits", "always"]
+Signal = Literal["query_kl", "kv_change"]
+Relevance = Literal["paper", "idf"]
+Ties = Literal["earliest", "latest"]
 
 
 class RepairPolicy(BaseModel):
@@ -45,6 +48,34 @@ class RepairPolicy(BaseModel):
     on the removed text is recomputed (Replay from the edit point, whatever the operator) and
     the old rows are overwritten in memory; ``"none"`` (default) repairs under the operator.
 
+    Adaptive budget (our extension; the paper's fixed b stays the default and the reference):
+    ``budget="auto"`` refreshes in rounds in the allocator's priority order, at allowances of
+    ``start``, 2·start, 4·start, ... % of the stale suffix up to ``max_budget`` %, and stops after
+    the first round whose convergence ``signal`` falls below ``tolerance``:
+
+    - ``kv_change`` (default): the relative L2 change of the K/V rows the round refreshed against
+      their Shifted values (no extra rows);
+    - ``query_kl``: KL(p_k ‖ p_{k-1}) in nats between the next-token distributions of
+      consecutive rounds, the query (last turn) recomputed after every round (round 0: Shift).
+
+    The defaults (``kv_change``, tolerance 0.06, start 2 %, cap 32 %, Replay at the cap) were
+    chosen on held-apart tuning cases (benchmarks/results/fidelity/README.md).
+
+    ``on_cap``: what happens when the signal has not settled by ``max_budget``: ``replay``
+    (default: the suffix is replayed exactly, reported as ``fallback``) or ``keep`` (the capped
+    refresh is kept). The report's ``adaptive`` entry lists every round and says what stopped it
+    (``signal``, ``cap`` or ``exhausted``); ``budget`` in the report is the budget actually spent
+    (refreshed / S, in %; 100 after a Replay).
+    Label: ``sur@auto:<signal>:<tolerance>`` (e.g. ``sur@auto:kv_change:0.06``).
+
+    Selection options of the text allocators (sur, dense, window; our extension, defaults are the
+    paper's): ``relevance="idf"`` weights each query token and the identical-token bonus of eq. 1
+    by the token's inverse frequency over the prompt's semantic units, so tokens found in most
+    units (" the", ",") stop giving most units the maximal score; ``ties="latest"`` breaks unit
+    score ties towards the query instead of the earliest unit; ``tail_tokens`` > 0 refreshes the
+    last ``tail_tokens`` stale rows before the query first (the turn the answer follows), inside
+    the allowance.
+
     Raises:
         pydantic.ValidationError (a ValueError): budget outside [0, 100], unknown allocator,
             executor or backend.
@@ -53,17 +84,28 @@ class RepairPolicy(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     operator: Operator = "refresh"
-    budget: float = Field(5.0, strict=True)  # strict: "5" or True are mistakes, not 5.0 / 1.0
+    # strict: "5" or True are mistakes, not 5.0 / 1.0
+    budget: Annotated[float, Strict()] | Literal["auto"] = 5.0
     allocator: str = "sur"
     seed: int = 0
     executor: Executor = "auto"
     backend: Backend = "sdpa"
     erase: Erase = "none"
     scope: Scope = "edits"
+    tolerance: float = Field(0.06, ge=0.0, strict=True)
+    max_budget: float = Field(32.0, gt=0.0, le=100.0, strict=True)
+    start: float = Field(2.0, gt=0.0, le=100.0, strict=True)
+    signal: Signal = "kv_change"
+    on_cap: Literal["replay", "keep"] = "replay"
+    relevance: Relevance = "paper"
+    ties: Ties = "earliest"
+    tail_tokens: int = Field(0, ge=0, strict=True)
 
     @field_validator("budget")
     @classmethod
-    def _budget_in_range(cls, value: float) -> float:
+    def _budget_in_range(cls, value: float | str) -> float | str:
+        if value == "auto":
+            return value
         if not math.isfinite(value) or not 0 <= value <= 100:
             raise ValueError(
                 f"budget is a percentage of the stale suffix and must lie in [0, 100] (got {value}); "
@@ -80,6 +122,8 @@ class RepairPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _scope_only_for_reprefill(self) -> "RepairPolicy":
+        if self.budget == "auto" and self.start > self.max_budget:
+            raise ValueError(f"start ({self.start} %) must not exceed max_budget ({self.max_budget} %) for budget='auto'")
         if self.scope == "always" and self.operator != "reprefill":
             raise ValueError(
                 f"scope='always' forces a full Re-prefill on every call and needs operator='reprefill' (got "
@@ -91,7 +135,11 @@ class RepairPolicy(BaseModel):
     @classmethod
     def coerce(cls, policy: "RepairPolicy | str") -> "RepairPolicy":
         """Accept a policy or its label: ``dirty``, ``shift``, ``replay``, ``reprefill``,
-        ``reprefill:always`` or ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``).
+        ``reprefill:always``, ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``) or
+        ``<allocator>@auto[:<signal>][:<tolerance>]`` (adaptive budget, e.g. ``sur@auto``,
+        ``sur@auto:0.1``, ``sur@auto:query_kl:0.0001``). Selection options follow the allocator: ``+idf``
+        (relevance="idf"), ``+latest`` (ties="latest"), ``+tail<N>`` (tail_tokens=N), e.g.
+        ``sur+idf+tail32@5``.
 
         Raises:
             InputTypeError (TypeError): neither a RepairPolicy nor a str.
@@ -107,7 +155,13 @@ class RepairPolicy(BaseModel):
             return cls(operator="reprefill", scope="always")
         allocator, at, budget = policy.partition("@")
         try:
-            return cls(operator="refresh", allocator=allocator, budget=float(budget)) if at else cls(allocator=policy)
+            name, *suffixes = allocator.split("+")
+            fields = {"operator": "refresh", "allocator": name, **_option_fields(suffixes)}
+            if at and budget.startswith("auto"):
+                fields.update(budget="auto", **_auto_fields(budget))
+            elif at:
+                fields["budget"] = float(budget)
+            return cls(**fields)
         except ValueError as exc:
             detail = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise InputError(
@@ -116,8 +170,16 @@ class RepairPolicy(BaseModel):
             ) from exc
 
     @property
+    def adaptive(self) -> bool:
+        """Whether the budget adapts per repair (``budget="auto"``, refresh only)."""
+        return self.operator == "refresh" and self.budget == "auto"
+
+    @property
     def effective_budget(self) -> float:
-        """Budget in % that the refresh path uses (shift → 0, replay → 100)."""
+        """Budget in % that the refresh path uses (shift → 0, replay → 100; ``auto`` → its cap
+        ``max_budget``, the most it may spend)."""
+        if self.budget == "auto":
+            return {"shift": 0.0, "replay": 100.0}.get(self.operator, self.max_budget)
         return {"shift": 0.0, "replay": 100.0}.get(self.operator, self.budget)
 
     @property
@@ -139,7 +201,43 @@ class RepairPolicy(BaseModel):
             return "reprefill:always"
         if self.operator != "refresh":
             return self.operator
-        return f"{self.allocator}@{self.budget:g}"
+        name = self.allocator + "".join(
+            f"+{part}" for part, on in (("idf", self.relevance == "idf"), ("latest", self.ties == "latest"),
+                                        (f"tail{self.tail_tokens}", self.tail_tokens > 0)) if on)
+        if self.budget == "auto":
+            return f"{name}@auto:{self.signal}:{self.tolerance:g}"
+        return f"{name}@{self.budget:g}"
+
+
+def _option_fields(suffixes: list[str]) -> dict:
+    """``["idf", "latest", "tail32"]`` -> RepairPolicy fields; ValueError names unknown ones."""
+    fields: dict = {}
+    for part in suffixes:
+        if part == "idf":
+            fields["relevance"] = "idf"
+        elif part == "latest":
+            fields["ties"] = "latest"
+        elif part.startswith("tail") and part[4:].isdigit():
+            fields["tail_tokens"] = int(part[4:])
+        else:
+            raise ValueError(f"unknown selection option +{part} (use +idf, +latest or +tail<N>)")
+    return fields
+
+
+def _auto_fields(budget: str) -> dict:
+    """``auto``, ``auto:0.001``, ``auto:kv_change:0.05`` -> signal / tolerance fields."""
+    head, *parts = budget.split(":")
+    if head != "auto":
+        raise ValueError(f"bad adaptive budget {budget!r}: use auto, auto:<tolerance> or auto:<signal>:<tolerance>")
+    if parts and parts[0] in ("query_kl", "kv_change"):
+        fields = {"signal": parts.pop(0)}
+    else:
+        fields = {}
+    if len(parts) > 1 or parts[0:1] == [""]:
+        raise ValueError(f"bad adaptive budget {budget!r}")
+    if parts:
+        fields["tolerance"] = float(parts[0])
+    return fields
 
 
 @dataclass
@@ -168,6 +266,10 @@ class RepairReport:
     changed (``ReforgeReport.as_dict()``: action, layer range, ``fallback``), None otherwise.
     ``engine``: what computes the model's rows (``{"name": "q4_1" | "transformers", "reason"}``,
     the reason why the fast engine does not run; see :mod:`kvmemory.engine`).
+
+    ``adaptive`` (``budget="auto"`` only): ``{"signal", "tolerance", "max_budget", "stopped_by"
+    ("signal" | "cap"), "spent_budget" (%), "probe_tokens", "rounds": [{"budget" (% asked),
+    "refreshed" (rows so far), "new_rows", "value" (the signal, None when undefined)}]}``.
     """
 
     operator: str
@@ -196,6 +298,8 @@ class RepairReport:
     erased: dict | None = None  # strict erase: messages, from_row, rows_recomputed, rows_overwritten
     adapter: dict | None = None  # CacheReforge maintenance run by this call (ReforgeReport.as_dict())
     engine: dict | None = None  # {"name", "reason"}: what computed the rows (kvmemory.engine.status)
+
+    adaptive: dict | None = None  # budget="auto": rounds, signal values, stop reason, budget spent
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -22,11 +22,13 @@ from .capabilities import Capabilities, cache_unsupported_reason
 from .edits import EditPlan
 from .errors import InputError
 from .executors.sequential import run_sequential
-from .executors import choose_executor, executor_label, run_refresh
+from .executors import ExecutorChoice, choose_executor, executor_label, run_refresh
 from .policy import RepairPolicy, RepairReport
 from .shift import RotaryShifter
 from .prompt import RenderedPrompt
-from .selection import SIGNAL_ALLOCATORS, MessageSpan, RepairSignals, SelectionInput, allowance, select, to_intervals
+from . import adaptive
+from .selection import (SIGNAL_ALLOCATORS, MessageSpan, RepairSignals, SelectionInput, SelectionOptions, allowance,
+                        select, to_intervals)
 
 
 @dataclass
@@ -143,6 +145,8 @@ def repair(
         B = allowance(plan.stale_tokens, budget)
         if B == plan.stale_tokens:
             result = _replay(ctx.model, cache, ids, plan, report)
+        elif policy.adaptive:
+            result = _adaptive_refresh(ctx, cache, cached_ids, ids, new, plan, policy, report)
         else:
             result = _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report)
     report.latency_ms = _ms(t0) + report.replayed_probe_ms
@@ -236,6 +240,59 @@ def _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report) -
     return RepairResult(shifted, out.next_logits, report, plan.exact_prefix)
 
 
+def _adaptive_refresh(ctx, cache, cached_ids, ids, new, plan, policy, report) -> RepairResult:
+    """``budget="auto"``: Shift, then refresh in rounds until the convergence signal settles
+    (see :mod:`kvmemory.adaptive`); the report gives the budget spent and every round."""
+    signals = _signals(ctx, cache, cached_ids, new, plan, policy)
+    selections: dict[int, list[int]] = {}
+
+    def select_for(B: int) -> list[int]:
+        t = time.perf_counter()
+        if B not in selections:
+            selections[B] = _select(ctx, new, plan, policy, B, signals)
+        report.selection_ms += _ms(t)
+        return selections[B]
+
+    t1 = time.perf_counter()
+    rows = _source_rows(plan, ids.shape[0])
+    shifted = kvcache.gather_rows(cache, rows)
+    report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
+    report.shift_ms = _ms(t1)
+    S = plan.stale_tokens
+    allowances = adaptive.schedule(S, policy.start, policy.max_budget)  # eq. 3 on S, as the fixed budget
+    t2, selecting = time.perf_counter(), report.selection_ms
+    out = adaptive.refresh_in_rounds(ctx.model, shifted, ids, list(plan.new_positions), allowances, select_for,
+                                     signal=policy.signal, tolerance=policy.tolerance, executor=policy.executor,
+                                     backend=policy.backend)
+    report.refresh_ms = _ms(t2) - (report.selection_ms - selecting)  # rounds, without their selections
+    report.replayed_probe_ms = signals.replayed_ms if signals is not None else 0.0
+    report.selection_ms += report.replayed_probe_ms
+    report.refreshed_tokens = len(out.selected)
+    report.recomputed_tokens = out.forwarded
+    report.reused_tokens = ids.shape[0] - len(set(out.selected) | set(plan.new_positions) | {ids.shape[0] - 1})
+    report.intervals, report.spans = len(out.intervals), out.intervals
+    report.executor = executor_label(ExecutorChoice(out.executor), policy.backend) if out.executor else None
+    report.executor_fallback = out.executor_fallback
+    spent = 100.0 * len(out.selected) / S if S else 0.0
+    report.adaptive = {"signal": policy.signal, "tolerance": policy.tolerance, "max_budget": policy.max_budget,
+                       "start": policy.start, "stopped_by": out.stopped_by, "spent_budget": spent,
+                       "probe_tokens": out.probe_tokens, "rounds": out.rounds, "escalated": False}
+    if out.stopped_by == "cap" and policy.on_cap == "replay":
+        # not settled within the cap: exact Replay of the suffix from the untouched cache; the
+        # rounds' work stays counted
+        rounds_tokens, rounds_ms = out.forwarded, report.refresh_ms
+        result = _replay(ctx.model, cache, ids, plan, report)
+        report.recomputed_tokens += rounds_tokens
+        report.refresh_ms += rounds_ms
+        report.adaptive.update(escalated=True, spent_budget=100.0)
+        report.budget = 100.0
+        report.fallback = (f"adaptive budget: the {policy.signal} signal stayed above {policy.tolerance:g} up to "
+                           f"max_budget={policy.max_budget:g} %: Replay of the suffix")
+        return result
+    report.budget = spent
+    return RepairResult(shifted, out.next_logits, report, plan.exact_prefix)
+
+
 def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
     """Model probes for the signal allocators (Appendix 7.4 Table 1); None for text allocators."""
     if policy.allocator not in SIGNAL_ALLOCATORS or not plan.stale_tokens:
@@ -275,7 +332,8 @@ def _select(
         query_text=ctx.query_text,
     )
     embedding = ctx.model.get_input_embeddings().weight
-    return select(policy.allocator, inp, B, embedding=embedding, seed=policy.seed, signals=signals)
+    options = SelectionOptions(relevance=policy.relevance, ties=policy.ties, tail_tokens=policy.tail_tokens)
+    return select(policy.allocator, inp, B, embedding=embedding, seed=policy.seed, signals=signals, options=options)
 
 
 def _eligible(plan: EditPlan) -> list[int]:

@@ -9,7 +9,7 @@ import sys
 from kvmemory_lab.cli import main
 from kvmemory_lab.demo_cases import builtin_cases, default_data_dir, hotpot_cases
 
-METHODS = ("dirty", "shift", "sur@2", "sur@5", "replay", "reprefill")
+METHODS = ("dirty", "shift", "sur@2", "sur@5", "sur@auto:kv_change:0.06", "replay", "reprefill")
 
 
 def test_demo_writes_every_method(tmp_path, real, capsys):
@@ -21,9 +21,15 @@ def test_demo_writes_every_method(tmp_path, real, capsys):
     assert set(data["methods"]) == set(METHODS)
     for name in METHODS:
         m = data["methods"][name]
-        assert {"agreement", "mean_kl", "recomputed_tokens", "latency_ms"} <= set(m)
+        assert {"agreement", "agreement_ci", "tf_agreement", "tf_agreement_ci", "tf_kl", "common_prefix", "mean_kl",
+                "recomputed_tokens", "spent_budget", "latency_ms"} <= set(m)
+        assert 0.0 <= m["tf_agreement"] <= 1.0 and m["tf_kl"] >= 0.0
     ref, sur5, replay = data["methods"]["reprefill"], data["methods"]["sur@5"], data["methods"]["replay"]
     assert ref["agreement"] == 1.0 and ref["mean_kl"] == 0.0
+    assert ref["tf_agreement"] == 1.0 and ref["tf_kl"] == 0.0 and ref["common_prefix"] > 0
+    assert replay["tf_agreement"] == 1.0 and replay["tf_kl"] < 1e-6
+    adaptive = data["methods"]["sur@auto:kv_change:0.06"]
+    assert adaptive["spent_budget"] is not None and 0 < adaptive["spent_budget"] <= 100
     assert replay["mean_kl"] < 1e-6  # Replay equals Re-prefill
     assert sur5["recomputed_tokens"] < replay["recomputed_tokens"] < ref["recomputed_tokens"]
 

@@ -73,7 +73,7 @@ def test_replay_action_switches_at_once(llama, tokenizer, monkeypatch):
 
 
 def test_budget_100_records_kl_zero_and_never_escalates(llama, tokenizer):
-    guard = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-6))
+    guard = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-6, measure="first_token"))
     _, _, sampled = _edited(llama, tokenizer, guard, "sur@100")
     assert sampled and guard.wait(60)
     sample = guard.thread_info("t")["last_sample"]
@@ -137,7 +137,7 @@ def test_chat_model_reports_the_guard_and_summarises_it(llama, tokenizer, monkey
 def test_real_model_shift_is_caught_and_replay_is_clean(real):
     """On the embedded model, Shift after deleting a tool output differs from Re-prefill by
     more than 1e-3 nats (ENVIRONMENT.md: 3e-3 to 4e-2 on short chats); Replay does not."""
-    guard = FidelityGuard(real.model, GuardConfig(fraction=1.0, threshold=1e-3, step=100))
+    guard = FidelityGuard(real.model, GuardConfig(fraction=1.0, threshold=1e-3, step=100, measure="first_token"))
     session = KVSession(real.model, real.tokenizer)
     session.prepare(history() + [QUERY])
     for label, live in (("shift", session.fork()), ("replay", session)):
@@ -147,3 +147,54 @@ def test_real_model_shift_is_caught_and_replay_is_clean(real):
     assert shift["last_sample"]["kl"] > 1e-3 and shift["escalations"] == 1 and shift["replay"]
     assert replay["last_sample"]["kl"] < 1e-6 and replay["escalations"] == 0
     assert guard.policy_for("shift", "shift").label == "replay"
+
+
+def test_teacher_forced_measure_scores_reprefill_answer_tokens(llama, tokenizer):
+    """The teacher-forced measure equals the mean per-token KL computed by hand from a Re-prefill
+    and a copy of the repaired cache, is 0 for an exact repair, and escalates above threshold."""
+    from kvmemory.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
+
+    guard = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-12, measure="teacher_forced", tokens=5))
+    session, _, sampled = _edited(llama, tokenizer, guard, "shift")
+    assert sampled and guard.wait(120)
+    sample = guard.thread_info("t")["last_sample"]
+    reference = KVSession(llama, tokenizer)
+    reference.prepare(session.messages, policy="reprefill")
+    probe = reference.fork()
+    answer = reference.generate(max_new_tokens=5).token_ids
+    expected = answer_fidelity(teacher_forced_logits(probe, answer), teacher_forced_logits(session, answer), answer, answer)
+    assert sample["kl"] == pytest.approx(expected.tf_kl, rel=1e-3, abs=1e-9) and sample["kl"] > 0
+    assert sample["escalated"]
+    exact = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-6, measure="teacher_forced", tokens=5))
+    _edited(llama, tokenizer, exact, "replay", thread="r")
+    assert exact.wait(120)
+    assert exact.thread_info("r")["last_sample"]["kl"] < 1e-6 and not exact.thread_info("r")["escalations"]
+
+
+@pytest.mark.real_model
+def test_default_guard_catches_a_late_split_the_first_token_misses(real):
+    """A QA deletion where SUR@2's first-token KL (~9e-3) stays under the former default threshold
+    (1e-2) although its greedy answer differs from Re-prefill's: the default teacher-forced
+    measure escalates it, the first-token measure at 1e-2 does not, and Replay stays clean."""
+    from kvmemory.demo_cases import default_data_dir
+    from kvmemory.evaluation import qa_cases
+
+    data = default_data_dir()
+    if data is None:
+        pytest.skip("needs the shared QA data (../shared/data or KVMEMORY_DATA)")
+    case = next(c for c in qa_cases(data, ["hotpotqa"], 1, seed=7) if c.case_id.endswith("-after"))
+    default = FidelityGuard(real.model, GuardConfig(fraction=1.0))
+    first_token = FidelityGuard(real.model, GuardConfig(fraction=1.0, measure="first_token", threshold=1e-2))
+    base = KVSession(real.model, real.tokenizer)
+    base.prepare(case.dirty_messages())
+    for label in ("sur@2", "replay"):
+        for guard in (default, first_token):
+            live = base.fork()
+            report = live.prepare(case.edited_messages(), policy=label)
+            assert guard.observe(label, live, report)
+    assert default.wait(600) and first_token.wait(600)
+    caught, missed = default.thread_info("sur@2")["last_sample"], first_token.thread_info("sur@2")["last_sample"]
+    assert caught["escalated"] and caught["tf_agreement"] < 1.0
+    assert not missed["escalated"] and 1e-4 < missed["kl"] < 1e-2
+    clean = default.thread_info("replay")["last_sample"]
+    assert not clean["escalated"] and clean["tf_agreement"] == 1.0

@@ -5,14 +5,15 @@
     intervals = to_intervals(positions)               # execution intervals
 """
 
-from .allocators import ALLOCATOR_NAMES, ALLOCATOR_TITLES, ALLOCATORS, PRIVILEGED, SIGNAL_ALLOCATORS, SelectionError, select
+from .allocators import (ALLOCATOR_NAMES, ALLOCATOR_TITLES, ALLOCATORS, PRIVILEGED, SIGNAL_ALLOCATORS, SelectionError,
+                         SelectionOptions, select)
 from .bm25 import bm25_unit_scores, lexical_terms
 from .budget import allowance
 from .inputs import MessageSpan, SelectionInput, validate_input
 from .intervals import to_intervals
 from .regions import Region, content_regions
 from .signals import RepairSignals, shared_signals, top_b
-from .relevance import relevance_scores
+from .relevance import relevance_scores, unit_idf
 from .unit_allocator import allocate_units, best_envelope_window, forward_envelope, unit_score
 from .units import Unit, UnitPartitionError, build_units
 
@@ -29,6 +30,7 @@ __all__ = [
     "Region",
     "SelectionError",
     "SelectionInput",
+    "SelectionOptions",
     "Unit",
     "UnitPartitionError",
     "allocate_units",
@@ -43,5 +45,6 @@ __all__ = [
     "select",
     "to_intervals",
     "unit_score",
+    "unit_idf",
     "validate_input",
 ]

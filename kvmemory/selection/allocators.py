@@ -8,6 +8,7 @@ allocators and the privileged clean-state oracle read model signals of the repai
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Callable
 
@@ -24,7 +25,7 @@ from .inputs import SelectionInput, validate_input
 from .legolink import legolink
 from .oracle import oracle
 from .prophetkv import prophetkv
-from .relevance import relevance_scores
+from .relevance import relevance_scores, unit_idf
 from .signals import RepairSignals
 from .speccache import speccache
 from .unit_allocator import admit_units, allocate_units
@@ -33,28 +34,53 @@ from .units import Unit, build_units
 FLOAT32_QUANTUM = 2.0**149  # every float32 is an integer multiple of 2^-149 (its smallest subnormal)
 
 
-def _token_scores(inp: SelectionInput, embedding: torch.Tensor) -> list[float]:
+@dataclass(frozen=True)
+class SelectionOptions:
+    """Options of the text allocators beyond the paper (defaults: the paper's rules).
+
+    ``relevance``: ``paper`` (eq. 1) or ``idf`` (query tokens and the identical-token bonus
+    weighted by their inverse frequency over the semantic units, :func:`relevance.unit_idf`).
+    ``ties``: ``earliest`` (paper) or ``latest`` unit first on equal unit scores (sur).
+    ``tail_tokens``: the last ``tail_tokens`` eligible positions (nearest the query) are taken
+    first, inside B; the allocator spends the rest."""
+
+    relevance: str = "paper"
+    ties: str = "earliest"
+    tail_tokens: int = 0
+
+
+PAPER = SelectionOptions()
+
+
+def _token_scores(inp: SelectionInput, embedding: torch.Tensor, options: SelectionOptions = PAPER) -> list[float]:
     """r_i of every eligible token (eq. 7), as Python floats aligned with ``inp.eligible``."""
     suffix_ids = [inp.token_ids[p] for p in inp.eligible]
-    return relevance_scores(embedding, suffix_ids, inp.query_ids).tolist()
+    weights = None
+    if options.relevance == "idf":
+        units = [[inp.token_ids[p] for p in u.positions] for u in build_units(inp)]
+        weights = unit_idf(units, inp.query_ids)
+    return relevance_scores(embedding, suffix_ids, inp.query_ids, query_weights=weights).tolist()
 
 
-def _sur(inp: SelectionInput, budget: int, embedding: torch.Tensor | None, seed: int) -> list[int]:
+def _sur(inp: SelectionInput, budget: int, embedding: torch.Tensor | None, seed: int,
+         options: SelectionOptions = PAPER) -> list[int]:
     """Semantic-Unit Refresh: embedding relevance, ranked units, forward-envelope partial window (§7.3)."""
-    return allocate_units(build_units(inp), _token_scores(inp, embedding), budget)
+    return allocate_units(build_units(inp), _token_scores(inp, embedding, options), budget, options.ties)
 
 
-def _dense(inp: SelectionInput, budget: int, embedding: torch.Tensor | None, seed: int) -> list[int]:
+def _dense(inp: SelectionInput, budget: int, embedding: torch.Tensor | None, seed: int,
+           options: SelectionOptions = PAPER) -> list[int]:
     """Dense tokens: the B eligible positions with the highest r_i, earlier position first on ties (§7.4)."""
-    r = _token_scores(inp, embedding)
+    r = _token_scores(inp, embedding, options)
     top = sorted(range(len(r)), key=lambda k: (-r[k], k))[:budget]
     return sorted(inp.eligible[k] for k in top)
 
 
-def _window(inp: SelectionInput, budget: int, embedding: torch.Tensor | None, seed: int) -> list[int]:
+def _window(inp: SelectionInput, budget: int, embedding: torch.Tensor | None, seed: int,
+            options: SelectionOptions = PAPER) -> list[int]:
     """Max-relevance contiguous: the width-B run of eligible positions with the largest Σ r_i, earliest on ties (§7.4)."""
     # Exact integer sums, so equal windows (e.g. repeated text) tie exactly and the earliest wins.
-    prefix = [0, *accumulate(int(x * FLOAT32_QUANTUM) for x in _token_scores(inp, embedding))]
+    prefix = [0, *accumulate(int(x * FLOAT32_QUANTUM) for x in _token_scores(inp, embedding, options))]
     sums = [prefix[s + budget] - prefix[s] for s in range(len(prefix) - budget)]
     start = sums.index(max(sums))
     return list(inp.eligible[start : start + budget])
@@ -127,6 +153,7 @@ def select(
     embedding: torch.Tensor | None = None,
     seed: int = 0,
     signals: RepairSignals | None = None,
+    options: SelectionOptions = PAPER,
 ) -> list[int]:
     """Choose exactly B stale positions to refresh with the allocator ``name``.
 
@@ -140,6 +167,8 @@ def select(
         seed: RNG seed of the random allocator (a fixed seed per case).
         signals: model probes over the repair in progress; required by the signal allocators
             (:func:`kvmemory.repair.repair` passes them).
+        options: :class:`SelectionOptions` beyond the paper (IDF relevance and the tie rule for
+            sur / dense / window; ``tail_tokens`` for every allocator). Default: the paper's rules.
 
     Returns:
         B unique, sorted prompt positions from ``inp.eligible``; [] for B = 0, all of them for B = S.
@@ -170,9 +199,17 @@ def select(
         return []
     if B == S:  # Algorithm 1 line 2: a full budget is a full suffix replay
         return list(inp.eligible)
-    if name in SIGNAL_ALLOCATORS:
-        positions = SIGNAL_ALLOCATORS[name](inp, B, signals, seed)
-    else:
-        positions = ALLOCATORS[name](inp, B, embedding, seed)
+    tail = list(inp.eligible[S - min(options.tail_tokens, B):]) if options.tail_tokens else []
+    rest = replace(inp, eligible=list(inp.eligible[: S - len(tail)])) if tail else inp
+    positions = _run(name, rest, B - len(tail), embedding, seed, signals, options) if B > len(tail) else []
+    positions = sorted(positions + tail)
     _check_selection(name, positions, inp, B)
     return positions
+
+
+def _run(name, inp, B, embedding, seed, signals, options) -> list[int]:
+    if name in SIGNAL_ALLOCATORS:
+        return SIGNAL_ALLOCATORS[name](inp, B, signals, seed)
+    if name in ("sur", "dense", "window"):
+        return ALLOCATORS[name](inp, B, embedding, seed, options)
+    return ALLOCATORS[name](inp, B, embedding, seed)

@@ -74,7 +74,7 @@ def admit_units(units: Sequence[Unit], order: Sequence[int], budget: int, window
     return sorted(chosen)
 
 
-def allocate_units(units: Sequence[Unit], token_scores: Sequence[float], budget: int) -> list[int]:
+def allocate_units(units: Sequence[Unit], token_scores: Sequence[float], budget: int, ties: str = "earliest") -> list[int]:
     """SUR's unit allocator: rank units by their top-4 mean score and fill exactly ``budget`` positions.
 
     Args:
@@ -82,6 +82,8 @@ def allocate_units(units: Sequence[Unit], token_scores: Sequence[float], budget:
         token_scores: S scores aligned with the eligible positions (i.e. with the concatenated
             unit positions).
         budget: B in [0, S] (tokens).
+        ties: ``earliest`` (the paper's rule: an earlier unit wins a score tie) or ``latest``
+            (our option: the unit nearer the query wins).
 
     Returns:
         B sorted prompt positions: the best units whole, then the best forward-envelope window
@@ -94,5 +96,6 @@ def allocate_units(units: Sequence[Unit], token_scores: Sequence[float], budget:
         bounds.append((lo, lo + len(u)))
         lo += len(u)
     scores = [unit_score(token_scores[a:b]) for a, b in bounds]
-    order = sorted(range(len(units)), key=lambda j: (-scores[j], units[j].positions[0]))
+    sign = 1 if ties == "earliest" else -1
+    order = sorted(range(len(units)), key=lambda j: (-scores[j], sign * units[j].positions[0]))
     return admit_units(units, order, budget, lambda j, w: best_envelope_window(token_scores[slice(*bounds[j])], w))

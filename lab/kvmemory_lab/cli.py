@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
+
+from kvmemory.policy import RepairPolicy
 
 console = Console(width=120)  # wide enough for the tables when piped
 
@@ -25,12 +27,31 @@ def _budgets(text: str) -> list[float]:
     return values
 
 
+ADAPTIVE_TOLERANCE = RepairPolicy().tolerance  # the adaptive budget's default (kv_change signal)
+
+
+def _tolerances(text: str) -> list[float]:
+    if text.strip().lower() == "none":
+        return []
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--adaptive takes comma-separated tolerances, e.g. 0.001,0.01, or none (got {text!r})") from None
+    if not values or any(not v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"tolerances are numbers >= 0 (got {text!r})")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmemory", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="edit an agent history in the middle and answer with every repair method")
     demo.add_argument("--cases", type=int, default=1, help="number of questions (default 1)")
     demo.add_argument("--budget", type=_budgets, default=[2.0, 5.0], help="SUR budgets in %% (default 2,5)")
+    demo.add_argument("--adaptive", type=_tolerances, default=[ADAPTIVE_TOLERANCE],
+                      help="tolerances of the adaptive budget sur@auto (default signal kv_change: relative K/V change "
+                           f"of the rows a round refreshed) shown next to the fixed budgets (default {ADAPTIVE_TOLERANCE:g}; "
+                           "'none' for none)")
     demo.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
     demo.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
     demo.add_argument("--engine", default="auto", choices=["auto", "q4_1", "transformers"],
@@ -106,7 +127,7 @@ def run_demo(args) -> int:
     else:
         cases = builtin_cases()[: args.cases]
         source = "the built-in conversation (no ../shared/data found; set --data or KVMEMORY_DATA for HotpotQA)"
-    policies = demo_policies(args.budget)
+    policies = demo_policies(args.budget, args.adaptive)
     session = KVSession(lm.model, lm.tokenizer)
     console.print(f"model {lm.name} ({args.dtype}, rows on {lm.engine.name}), {len(cases)} case(s) from {source}")
     results = []
@@ -119,6 +140,7 @@ def run_demo(args) -> int:
         _print_aggregate(aggregate(results), len(results))
     if args.json:
         meta = {"model": lm.name, "dtype": args.dtype, "engine": lm.engine.as_dict(), "source": source, "budgets": args.budget,
+                "adaptive_tolerances": args.adaptive,
                 "passages": args.passages, "max_new_tokens": args.max_new_tokens}
         write_json(args.json, meta, results)
         console.print(f"wrote {args.json}")
@@ -149,10 +171,13 @@ def _check_demo_args(args) -> str | None:
 def _print_case(result) -> None:
     console.print(f"\n[bold]Q:[/bold] {result.question}   [bold]gold:[/bold] {result.gold}")
     console.print(f"prompt {result.prompt_tokens} tokens after deleting a {result.deleted_tokens}-token tool result")
-    table = Table("method", "= re-prefill", "first-token KL", "recomputed", "latency ms", "answer")
+    table = Table(Column("method", no_wrap=True), "= re-prefill", "TF agree", "TF KL", "common prefix", "first-token KL", "recomputed",
+                  "budget %", "latency ms", "answer")
     for m in result.methods:
-        table.add_row(m.method, "yes" if m.agrees else "no", f"{m.kl:.2e}", str(m.recomputed_tokens),
-                      f"{m.latency_ms:.0f}", _short(m.answer))
+        spent = "" if m.spent_budget is None else f"{m.spent_budget:.1f}"
+        table.add_row(m.method, "yes" if m.agrees else "no", f"{m.tf_agreement:.2f}", f"{m.tf_kl:.1e}",
+                      str(m.common_prefix), f"{m.kl:.2e}", str(m.recomputed_tokens), spent, f"{m.latency_ms:.0f}",
+                      _short(m.answer, 40))
     console.print(table)
 
 
@@ -162,11 +187,15 @@ def _short(answer: str, width: int = 56) -> str:
 
 
 def _print_aggregate(methods: dict, n: int) -> None:
-    table = Table("method", "agreement", "mean KL", "EM", "gold in answer", "recomputed (mean)",
+    table = Table(Column("method", no_wrap=True), "agreement [95 % CI]", "TF agreement [95 % CI]", "TF KL", "common prefix",
+                  "first-token KL", "EM", "gold in answer", "recomputed (mean)", "budget % (mean)",
                   "latency ms (mean)", title=f"{n} cases")
     for name, m in methods.items():
-        table.add_row(name, f"{m['agreement']:.2f}", f"{m['mean_kl']:.2e}", f"{m['em']:.2f}", f"{m['gold_in_answer']:.2f}",
-                      f"{m['recomputed_tokens']:.0f}", f"{m['latency_ms']:.0f}")
+        (lo, hi), (tlo, thi) = m["agreement_ci"], m["tf_agreement_ci"]
+        spent = "" if m["spent_budget"] is None else f"{m['spent_budget']:.1f}"
+        table.add_row(name, f"{m['agreement']:.2f} [{lo:.2f}, {hi:.2f}]", f"{m['tf_agreement']:.3f} [{tlo:.3f}, {thi:.3f}]",
+                      f"{m['tf_kl']:.1e}", f"{m['common_prefix']:.1f}", f"{m['mean_kl']:.2e}", f"{m['em']:.2f}",
+                      f"{m['gold_in_answer']:.2f}", f"{m['recomputed_tokens']:.0f}", spent, f"{m['latency_ms']:.0f}")
     console.print(table)
 
 

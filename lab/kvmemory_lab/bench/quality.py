@@ -28,6 +28,7 @@ from kvmemory.session import KVSession
 
 from ..demo_cases import default_data_dir
 from ..evaluation import QA_DATASETS, EvalCase, niah_cases, qa_cases
+from ..evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
 from ..evaluation.decoding import verified_greedy
 from ..metrics import (
     answers_agree,
@@ -50,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="2,5,10,20,40,80", help="suffix budgets b in %% (comma list)")
     parser.add_argument("--allocators", default=None,
                         help=f"comma list or 'all' (NIAH default: all 14; QA default: {','.join(QA_ALLOCATORS)})")
+    parser.add_argument("--methods", default="",
+                        help="further policy labels (comma list), e.g. adaptive budgets sur@auto:0.001, "
+                             "sur@auto:kv_change:0.05 or selection options sur+idf@5, sur+tail32@5")
+    parser.add_argument("--no-fixed", action="store_true",
+                        help="skip the allocators x budgets grid (run only the references and --methods)")
     parser.add_argument("--cases", type=int, default=None, help="NIAH: cases per length (default 5, one per variant); QA: sources per dataset (default 5)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="NIAH prompt lengths in tokens")
     parser.add_argument("--datasets", default=",".join(QA_DATASETS), help="QA datasets (comma list)")
@@ -82,9 +88,15 @@ def _settings(args) -> dict:
         allocators = list(ALLOCATOR_NAMES)
     else:
         allocators = [a.strip() for a in args.allocators.split(",") if a.strip()]
-    unknown = [a for a in allocators if a not in ALLOCATOR_NAMES]
+    unknown = [a for a in allocators if a.split("+")[0] not in ALLOCATOR_NAMES]
     if unknown:
         raise SystemExit(f"unknown allocator(s) {', '.join(unknown)}: use {', '.join(ALLOCATOR_NAMES)} or 'all'")
+    methods = [m.strip() for m in getattr(args, "methods", "").split(",") if m.strip()]
+    for label in methods + [f"{a}@5" for a in allocators]:
+        try:
+            RepairPolicy.coerce(label)
+        except ValueError as exc:
+            raise SystemExit(f"--methods / --allocators: {exc}") from None
     lengths = [int(x) for x in (args.lengths if not quick or args.lengths != "1024,2048,4096" else "1024").split(",")]
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
     # NIAH: 5 = one case of each variant (first early, second late, second early, first late, control)
@@ -92,7 +104,8 @@ def _settings(args) -> dict:
     if quick and args.task == "qa" and args.datasets == ",".join(QA_DATASETS):
         datasets = ["hotpotqa", "musique"]
     return {"task": args.task, "budgets": budgets, "allocators": allocators, "lengths": lengths,
-            "datasets": datasets, "cases": cases, "seed": args.seed,
+            "datasets": datasets, "cases": cases, "seed": args.seed, "methods": methods,
+            "fixed": not getattr(args, "no_fixed", False),
             "max_new_tokens": args.max_new_tokens or (32 if args.task == "niah" else 24),
             "answers": getattr(args, "answers", "stepwise")}
 
@@ -117,15 +130,14 @@ def run_case(session: KVSession, case: EvalCase, settings: dict) -> dict:
     # the Re-prefill reference rebuilds the whole edited prompt whatever the edit (forced form)
     policies = [(name, RepairPolicy(operator=name, scope="always" if name == "reprefill" else "edits"))
                 for name in REFERENCES]
-    policies += [
-        (f"{a}@{b:g}", RepairPolicy(operator="refresh", allocator=a, budget=b, seed=settings["seed"]))
-        for b in settings["budgets"]
-        for a in settings["allocators"]
-    ]
-    runs, rows = {}, []
+    grid = [f"{a}@{b:g}" for b in settings["budgets"] for a in settings["allocators"]] if settings.get("fixed", True) else []
+    for label in grid + list(settings.get("methods", [])):
+        policy = RepairPolicy.coerce(label).model_copy(update={"seed": settings["seed"]})
+        policies.append((policy.label, policy))
+    runs, rows, reference_rows = {}, [], {}
     with shared_signals():  # each probe runs once per case; reuses are charged its measured time
         for label, policy in policies:
-            rows.append(_run_method(session, case, settings, edited, label, policy, runs))
+            rows.append(_run_method(session, case, settings, edited, label, policy, runs, reference_rows))
     reference = rows[0]
     return {"case_id": case.case_id, "task": case.task, "dataset": case.dataset, "source_id": case.source_id,
             "gold": list(case.gold), "leak_value": case.leak_value, "deleted": list(case.deleted),
@@ -134,10 +146,15 @@ def run_case(session: KVSession, case: EvalCase, settings: dict) -> dict:
 
 
 def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, label: str, policy: RepairPolicy,
-                runs: dict) -> dict:
-    """One method on a fork of the case's pre-edit session: repair, greedy answer, metrics row."""
+                runs: dict, reference_rows: dict) -> dict:
+    """One method on a fork of the case's pre-edit session: repair, greedy answer, metrics row.
+    ``reference_rows["reprefill"]`` holds Re-prefill's teacher-forced rows once its answer is known."""
     fork = session.fork()
     report = fork.prepare(edited, policy=policy)
+    # Re-prefill runs first: its answer is scored on an untouched copy once decoded; every other
+    # method scores that answer teacher-forced before decoding its own (the rows are cropped again)
+    probe = fork.fork() if label == "reprefill" else None
+    rows = None if probe is not None else teacher_forced_logits(fork, runs["reprefill"].token_ids)
     verified = settings["answers"] == "verified" and label not in REFERENCES
     if verified:  # proposals: Re-prefill's answer first, then every answer already decoded on this case
         others = [g.token_ids for name, g in runs.items() if name != "reprefill"]
@@ -145,6 +162,8 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
     else:
         gen = fork.generate(max_new_tokens=settings["max_new_tokens"])
     runs[label] = gen
+    if probe is not None:
+        reference_rows["reprefill"] = rows = teacher_forced_logits(probe, gen.token_ids)
     ref, dirty = runs["reprefill"], runs.get("dirty", gen)
     # verified answers cost one forward; latency tables charge step-by-step decoding at the
     # case's measured Re-prefill rate so that allocators compare on repair cost
@@ -152,14 +171,17 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
     tv = first_token_tv(ref.first_logits, gen.first_logits)
     tv_dirty = first_token_tv(ref.first_logits, dirty.first_logits)
     em, leak = _score(case, gen.text)
-    B = allowance(report.stale_tokens, policy.budget) if policy.operator == "refresh" else None
+    B = allowance(report.stale_tokens, policy.budget) if policy.operator == "refresh" and not policy.adaptive else None
     if B is not None and report.refreshed_tokens != B and not report.fallback:
         raise RuntimeError(f"{label} refreshed {report.refreshed_tokens} positions, allowance is {B} (a bug)")
     other = report.latency_ms - report.selection_ms - report.shift_ms - report.refresh_ms
+    fidelity = answer_fidelity(reference_rows["reprefill"], rows, ref.token_ids, gen.token_ids)
     return {
         "method": label,
         "allocator": policy.allocator if policy.operator == "refresh" else None,
         "budget": policy.budget if policy.operator == "refresh" else None,
+        "spent_budget": report.budget,
+        "adaptive": report.adaptive,
         "answer": gen.text,
         "em": em,
         "leak": leak,
@@ -167,6 +189,11 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
         "kl": first_token_kl(ref.first_logits, gen.first_logits),
         "tv": tv,
         "nr_tv": normalized_recovery(tv, tv_dirty),
+        "tf_agree": fidelity.tf_agreement,
+        "tf_kl": fidelity.tf_kl,
+        "common_prefix": fidelity.common_prefix,
+        "answer_tokens": len(gen.token_ids),
+        "reference_tokens": len(ref.token_ids),
         "selection_ms": report.selection_ms,
         "shift_ms": report.shift_ms,
         "refresh_ms": report.refresh_ms,

@@ -6,28 +6,64 @@ import json
 from pathlib import Path
 from statistics import mean, median
 
+from kvmemory.policy import RepairPolicy
 from kvmemory.selection import ALLOCATOR_TITLES
 
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
 from ..metrics import contains_gold
 from .common import agg_pyplot
 
+DEFAULT_SIGNAL = RepairPolicy().signal
+
 REFERENCE_NAMES = ("dirty", "shift", "replay", "reprefill")
 BOOTSTRAP_REFERENCES = ("shift", "replay", "reprefill")
 
 
-GROUP_METRICS = ("em", "gold_in_answer", "agreement", "median_kl", "nr_tv", "latency_ms")
+GROUP_METRICS = ("em", "gold_in_answer", "agreement", "tf_agreement", "median_kl", "nr_tv", "latency_ms",
+                 "recomputed_tokens")
 
 
 def _rows(records: list[dict], method: str) -> list[dict]:
     return [m for r in records for m in r["methods"] if m["method"] == method]
 
 
+def _mean_of(rows: list[dict], key: str) -> float | None:
+    values = [m[key] for m in rows if m.get(key) is not None]
+    return mean(values) if values else None
+
+
+def _adaptive_stats(rows: list[dict]) -> dict:
+    """Adaptive budget: spent budget (%), stop reasons, and calibration: the share of repairs the
+    signal stopped whose greedy answer still differs from Re-prefill's."""
+    runs = [m for m in rows if m.get("adaptive")]
+    if not runs:
+        return {}
+    by_signal = [m for m in runs if m["adaptive"]["stopped_by"] == "signal"]
+    return {
+        "spent_budget": mean(m["adaptive"]["spent_budget"] for m in runs),
+        "rounds": mean(len(m["adaptive"]["rounds"]) for m in runs),
+        "probe_tokens": mean(m["adaptive"]["probe_tokens"] for m in runs),
+        "stopped_by_signal": len(by_signal) / len(runs),
+        "stopped_by_cap": sum(m["adaptive"]["stopped_by"] == "cap" for m in runs) / len(runs),
+        "signal_stops_diverged": (sum(not m["agree"] for m in by_signal) / len(by_signal)) if by_signal else None,
+        "signal_stops_tf_below_1": (sum(m.get("tf_agree", 1.0) < 1.0 for m in by_signal) / len(by_signal)) if by_signal else None,
+    }
+
+
 def aggregate(rows: list[dict]) -> dict:
-    """Per-method aggregate over cases: fractions in [0, 1], KL in nats, times in ms (means)."""
+    """Per-method aggregate over cases: fractions in [0, 1], KL in nats, times in ms (means).
+
+    ``agreement``: greedy answer equal to Re-prefill's; ``tf_agreement`` / ``tf_kl``: mean over
+    cases of the teacher-forced top-1 agreement / mean KL (nats) over Re-prefill's answer tokens;
+    ``common_prefix``: mean common prefix of the greedy answers (tokens); ``recomputed_tokens``:
+    mean positions forwarded (refreshed rows + new text + adaptive probes)."""
     defined = [m["nr_tv"] for m in rows if m["nr_tv"] is not None]
     leaks = [m["leak"] for m in rows if m["leak"] is not None]
     return {
+        "tf_agreement": _mean_of(rows, "tf_agree"),
+        "tf_kl": _mean_of(rows, "tf_kl"),
+        "common_prefix": _mean_of(rows, "common_prefix"),
+        "tf_exact": _mean_of([{"v": float(m["tf_agree"] == 1.0)} for m in rows if m.get("tf_agree") is not None], "v"),
         "n": len(rows),
         "agreement": mean(m["agree"] for m in rows),
         "median_kl": median(m["kl"] for m in rows),
@@ -47,6 +83,7 @@ def aggregate(rows: list[dict]) -> dict:
         "intervals": mean(m["intervals"] for m in rows),
         "median_intervals": median(m["intervals"] for m in rows),
         "fallbacks": sum(bool(m["fallback"]) for m in rows),
+        **_adaptive_stats(rows),
     }
 
 
@@ -65,15 +102,29 @@ def bootstrap_table(records: list[dict]) -> list[dict]:
         if "@" not in method:
             continue
         for ref in BOOTSTRAP_REFERENCES:
-            for metric in ("em", "agree", "gold_in_answer", "tv"):
+            for metric in ("em", "agree", "gold_in_answer", "tv", "tf_agree"):
                 diff = []
                 for r in records:
                     by = {m["method"]: m for m in r["methods"]}
+                    if by[method].get(metric) is None or by[ref].get(metric) is None:
+                        break
                     diff.append(100.0 * (float(by[method][metric]) - float(by[ref][metric])))
+                if len(diff) < len(records):
+                    continue
                 est, lo, hi = paired_bootstrap(diff, groups, strata)
                 out.append({"method": method, "reference": ref, "metric": metric, "delta_pp": est,
                             "ci_low": lo, "ci_high": hi, "n_cases": len(diff), "n_sources": len(set(groups))})
     return out
+
+
+def _adaptive_key(allocator: str, rows: list[dict]) -> tuple[str, str]:
+    """Summary entry of an adaptive method, from what its repairs report: ``adaptive`` for SUR
+    with the default signal, ``adaptive_<signal>`` for the other, ``[allocator]`` for other
+    allocators; keyed by tolerance."""
+    info = next(m["adaptive"] for m in rows if m.get("adaptive"))
+    signal = info["signal"]
+    key = "adaptive" + ("" if signal == DEFAULT_SIGNAL else f"_{signal}") + ("" if allocator == "sur" else f"[{allocator}]")
+    return key, f"{info['tolerance']:g}"
 
 
 def _add_gold_in_answer(records: list[dict]) -> None:
@@ -93,7 +144,11 @@ def summarize(records: list[dict], meta: dict) -> dict:
         agg = aggregate(_rows(records, method))
         if "@" in method:
             allocator, budget = method.split("@")
-            summary.setdefault(allocator, {})[budget] = agg
+            if budget.startswith("auto"):  # adaptive: keyed by tolerance, like the fixed budgets
+                key, tolerance = _adaptive_key(allocator, _rows(records, method))
+                summary.setdefault(key, {})[tolerance] = agg
+            else:
+                summary.setdefault(allocator, {})[budget] = agg
         else:
             summary[method] = agg
     by_group: dict = {}
@@ -132,24 +187,25 @@ def markdown(summary: dict) -> str:
         "",
         "## References",
         "",
-        "| method | agreement | median KL | NR_TV | EM | gold-in | leak | latency ms | recomputed | intervals |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | agreement | TF agreement | TF KL | common prefix | median KL | NR_TV | EM | gold-in | leak | latency ms | recomputed | intervals |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for ref in REFERENCE_NAMES:
         if ref in summary:
             m = summary[ref]
-            lines.append(f"| {ref} | {m['agreement']:.2f} | {m['median_kl']:.2e} | {_fmt(m['nr_tv'])} | {m['em']:.2f} | "
+            lines.append(f"| {ref} | {m['agreement']:.2f} | {_answer_cells(m)} | {m['median_kl']:.2e} | {_fmt(m['nr_tv'])} | {m['em']:.2f} | "
                          f"{m['gold_in_answer']:.2f} | {_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['recomputed_tokens']:.0f} | {m['intervals']:.1f} |")
     lines += ["", "## Allocators × budget", "",
-              "| allocator | budget % | agreement | median KL | NR_TV | EM | gold-in | leak | latency ms | selection ms | "
+              "| allocator | budget % | agreement | TF agreement | TF KL | common prefix | median KL | NR_TV | EM | gold-in | leak | latency ms | selection ms | "
               "refresh ms | answer ms | recomputed | intervals |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, title in ALLOCATOR_TITLES.items():
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, title in {**ALLOCATOR_TITLES, **{v: f"{v} (options)" for v in _variants(summary)}}.items():
         for budget, m in summary.get(name, {}).items():
             lines.append(
-                f"| {title} | {budget} | {m['agreement']:.2f} | {m['median_kl']:.2e} | {_fmt(m['nr_tv'])} | {m['em']:.2f} | "
+                f"| {title} | {budget} | {m['agreement']:.2f} | {_answer_cells(m)} | {m['median_kl']:.2e} | {_fmt(m['nr_tv'])} | {m['em']:.2f} | "
                 f"{m['gold_in_answer']:.2f} | {_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['selection_ms']:.0f} | {m['refresh_ms']:.0f} | "
                 f"{m['answer_ms']:.0f} | {m['recomputed_tokens']:.0f} | {m['intervals']:.1f} |")
+    lines += _adaptive_section(summary)
     lines += ["", "## Paired differences (EM, percentage points; 95 % source-paired bootstrap, "
               f"{summary['bootstrap']['replicates']} replicates, seed {summary['bootstrap']['seed']})", "",
               "| method | vs | ΔEM pp | 95 % CI | Δagreement pp | 95 % CI | Δgold-in pp | 95 % CI | ΔTV pp | 95 % CI |",
@@ -165,9 +221,45 @@ def markdown(summary: dict) -> str:
                      f"{g['delta_pp']:+.1f} | [{g['ci_low']:+.1f}, {g['ci_high']:+.1f}] | "
                      f"{t['delta_pp']:+.2f} | [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}] |")
     for metric, title, spec in (("em", "EM", ".2f"), ("agreement", "Agreement with Re-prefill", ".2f"),
+                                ("tf_agreement", "Teacher-forced agreement", ".3f"),
+                                ("recomputed_tokens", "Mean recomputed tokens", ".0f"),
                                 ("median_kl", "Median first-token KL", ".2e"), ("latency_ms", "Mean latency ms", ".0f")):
         lines += ["", f"## {title} by group", ""] + _group_table(summary["by_group"], metric, spec)
     return "\n".join(lines) + "\n"
+
+
+def _answer_cells(m: dict) -> str:
+    """TF agreement | TF KL | common prefix cells (– for records without answer-level metrics)."""
+    return f"{_fmt(m.get('tf_agreement'), '.3f')} | {_fmt(m.get('tf_kl'), '.2e')} | {_fmt(m.get('common_prefix'), '.1f')}"
+
+
+def _variants(summary: dict) -> list[str]:
+    """Allocators with selection options (``sur+idf``, ``sur+tail32`` ...)."""
+    return [k for k in summary if "+" in k and not k.startswith("adaptive")]
+
+
+def _adaptive_keys(summary: dict) -> list[str]:
+    return [k for k in summary if k.startswith("adaptive")]
+
+
+def _adaptive_section(summary: dict) -> list[str]:
+    """Adaptive budget rows: fidelity, cost, spent budget and the signal's calibration."""
+    keys = _adaptive_keys(summary)
+    if not keys:
+        return []
+    lines = ["", "## Adaptive budget (budget='auto'; our extension, fixed b is the reference)", "",
+             "Calibration: `diverged given signal stop` = share of the repairs the signal stopped (not the cap) whose greedy "
+             "answer differs from Re-prefill's; `TF<1 given signal stop` the same for any teacher-forced disagreement.", "",
+             "| signal | tolerance | agreement | TF agreement | TF KL | common prefix | recomputed | spent budget % | rounds | "
+             "query rows re-run | stopped by signal | by cap | diverged given signal stop | TF<1 given signal stop | latency ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in keys:
+        for tol, m in sorted(summary[key].items(), key=lambda kv: float(kv[0])):
+            lines.append(f"| {key} | {tol} | {m['agreement']:.2f} | {_answer_cells(m)} | {m['recomputed_tokens']:.0f} | "
+                         f"{m['spent_budget']:.1f} | {m['rounds']:.1f} | {m['probe_tokens']:.1f} | {m['stopped_by_signal']:.2f} | "
+                         f"{m['stopped_by_cap']:.2f} | {_fmt(m['signal_stops_diverged'])} | {_fmt(m['signal_stops_tf_below_1'])} | "
+                         f"{m['latency_ms']:.0f} |")
+    return lines
 
 
 def _group_table(groups: dict, metric: str, spec: str) -> list[str]:
@@ -184,7 +276,7 @@ def plots(summary: dict, out: Path) -> list[Path]:
     """fidelity_vs_budget.png (agreement and EM per allocator) and fidelity_vs_latency.png."""
     plt = agg_pyplot()
 
-    allocators = [a for a in ALLOCATOR_TITLES if a in summary]
+    allocators = [a for a in ALLOCATOR_TITLES if a in summary] + _variants(summary)
     paths = []
     panels = (("agreement", "agreement with Re-prefill"), ("em", "EM"), ("nr_tv", "NR_TV (median, eq. 14)"))
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
@@ -194,7 +286,7 @@ def plots(summary: dict, out: Path) -> list[Path]:
             budgets = sorted(summary[a], key=float)
             ys = [summary[a][b][metric] for b in budgets]
             ax.plot([float(b) for b in budgets], [float("nan") if y is None else y for y in ys], marker="o",
-                    label=ALLOCATOR_TITLES[a])
+                    label=ALLOCATOR_TITLES.get(a, a))
         for ref, style in (("shift", ":"), ("replay", "--"), ("reprefill", "-")):
             if ref in summary and summary[ref][metric] is not None:
                 ax.axhline(summary[ref][metric], color="k", linestyle=style, linewidth=1, label=ref)
@@ -216,7 +308,7 @@ def plots(summary: dict, out: Path) -> list[Path]:
     for a in allocators:
         budgets = sorted(summary[a], key=float)
         ax.plot([summary[a][b]["latency_ms"] for b in budgets], [summary[a][b]["agreement"] for b in budgets],
-                marker="o", label=ALLOCATOR_TITLES[a])
+                marker="o", label=ALLOCATOR_TITLES.get(a, a))
     for ref, marker in (("shift", "s"), ("replay", "^"), ("reprefill", "*")):
         if ref in summary:
             ax.scatter([summary[ref]["latency_ms"]], [summary[ref]["agreement"]], marker=marker, s=90, color="k", zorder=5)
@@ -229,7 +321,40 @@ def plots(summary: dict, out: Path) -> list[Path]:
     paths.append(out / "fidelity_vs_latency.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+    paths.append(frontier_plot(summary, out / "frontier.png"))
     return paths
+
+
+def frontier_plot(summary: dict, path: Path) -> Path:
+    """Agreement and teacher-forced agreement vs mean recomputed tokens: references, every fixed
+    budget curve, selection variants and the adaptive budget at its tolerances."""
+    plt = agg_pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
+    curves = [a for a in ALLOCATOR_TITLES if a in summary] + _variants(summary) + _adaptive_keys(summary)
+    for ax, (metric, label) in zip(axes, (("agreement", "exact-answer agreement with Re-prefill"),
+                                          ("tf_agreement", "teacher-forced top-1 agreement"))):
+        for name in curves:
+            points = sorted((m["recomputed_tokens"], m.get(metric)) for m in summary[name].values() if m.get(metric) is not None)
+            if points:
+                style = dict(marker="D", linewidth=2.2) if name.startswith("adaptive") else dict(marker="o", linewidth=1)
+                ax.plot([p[0] for p in points], [p[1] for p in points], label=ALLOCATOR_TITLES.get(name, name), **style)
+        for ref, marker in (("shift", "s"), ("replay", "^"), ("reprefill", "*")):
+            if ref in summary and summary[ref].get(metric) is not None:
+                ax.scatter([summary[ref]["recomputed_tokens"]], [summary[ref][metric]], marker=marker, s=90, color="k", zorder=5)
+                ax.annotate(ref, (summary[ref]["recomputed_tokens"], summary[ref][metric]), fontsize=8)
+        if "replay" in summary:
+            ax.axvline(0.25 * summary["replay"]["recomputed_tokens"], color="grey", linestyle=":", linewidth=1,
+                       label="25 % of Replay's recomputed tokens")
+        ax.set_xlabel("mean recomputed tokens per repair")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=7, loc="lower right")
+    meta = summary["meta"]
+    fig.suptitle(f"{meta['task']}: fidelity frontier ({meta['n_cases']} cases, {meta['model']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_outputs(out: Path, records: list[dict], meta: dict) -> dict:
