@@ -26,11 +26,11 @@ def trace(out: Path, sources: int, seed: int, data: Path) -> None:
     import torch
 
     from kvmemory import adaptive, kvcache
-    from kvmemory.evaluation import qa_cases
-    from kvmemory.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
-    from kvmemory.evaluation.decoding import verified_greedy
-    from kvmemory.execution import run_direct
-    from kvmemory.metrics import first_token_kl
+    from kvmemory_lab.evaluation import qa_cases
+    from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
+    from kvmemory_lab.evaluation.decoding import verified_greedy
+    from kvmemory.executors.sequential import run_direct
+    from kvmemory.divergence import first_token_kl
     from kvmemory.models import load_model
     from kvmemory.policy import RepairPolicy
     from kvmemory.session import KVSession

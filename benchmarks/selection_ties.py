@@ -24,7 +24,7 @@ RULES = {"paper": {}, "idf": {"relevance": "idf"}, "latest": {"ties": "latest"},
 
 def main() -> None:
     from kvmemory.edits import plan_edits
-    from kvmemory.evaluation import niah_cases
+    from kvmemory_lab.evaluation import niah_cases
     from kvmemory.models import load_model
     from kvmemory.prompt import normalize_messages, render_prompt
     from kvmemory.selection import MessageSpan, SelectionInput, SelectionOptions, allowance, build_units, select

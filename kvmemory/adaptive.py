@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from .executors import choose_executor, run_refresh
-from .metrics import first_token_kl
+from .divergence import first_token_kl
 from .selection import allowance, to_intervals
 
 _observers: list[Callable[[dict, object], None]] = []

@@ -38,7 +38,7 @@ from safetensors.torch import save as save_safetensors
 
 from kvmemory.threads import CacheState, CacheStateError
 
-from .blobs import BlobError, _header_metadata
+from .blobs import BlobError, header_metadata
 from .blockstore import BlockMissing, BlockStore
 
 BLOCK_FORMAT = "kvmemory.block/1"
@@ -192,7 +192,7 @@ def decode_manifest(data: bytes, what: str = "manifest") -> Manifest:
     payload = unseal(data, what)
     try:
         tensors = load_safetensors(payload)
-        meta = _header_metadata(payload)
+        meta = header_metadata(payload)
     except (SafetensorError, ValueError) as exc:
         raise BlobError("unreadable", f"{what} is not a safetensors payload ({exc})") from exc
     if meta.get("format") != MANIFEST_FORMAT:
@@ -211,7 +211,7 @@ def manifest_messages(data: bytes) -> dict:
     """Messages, exact_rows, rows, block list and message starts of a sealed manifest (the
     header only; for strict erase). Raises BlobError when the value is damaged."""
     payload = unseal(data, "manifest")
-    meta = _header_metadata(payload)
+    meta = header_metadata(payload)
     blocks = [BlockRef(str(k), int(s), int(r), bool(e)) for k, s, r, e in json.loads(meta.get("blocks", "[]"))]
     return {"messages": json.loads(meta.get("messages", "[]")), "exact_rows": int(meta.get("exact_rows", 0)),
             "rows": sum(b.rows for b in blocks), "blocks": blocks,
@@ -229,7 +229,7 @@ def decode_block(data: bytes, ref: BlockRef, parent: str, identity: str) -> tupl
     payload = unseal(data, what)
     try:
         tensors = load_safetensors(payload)
-        meta = _header_metadata(payload)
+        meta = header_metadata(payload)
         tokens = json.loads(meta["tokens"])
     except (SafetensorError, ValueError, KeyError) as exc:
         raise BlobError("unreadable", f"{what} is not a kvmemory block ({exc})") from exc

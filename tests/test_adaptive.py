@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvmemory import adaptive
-from kvmemory.metrics import first_token_kl
+from kvmemory.divergence import first_token_kl
 from kvmemory.policy import RepairPolicy
 from kvmemory.selection import allowance
 from support import QUERY, history, prepared, without

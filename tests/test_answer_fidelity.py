@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvmemory.evaluation.answer_fidelity import answer_fidelity, common_prefix, teacher_forced_logits
-from kvmemory.metrics import first_token_kl
+from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, common_prefix, teacher_forced_logits
+from kvmemory.divergence import first_token_kl
 from kvmemory.policy import RepairPolicy
 from support import QUERY, history, prepared, without
 

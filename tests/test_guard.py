@@ -152,7 +152,7 @@ def test_real_model_shift_is_caught_and_replay_is_clean(real):
 def test_teacher_forced_measure_scores_reprefill_answer_tokens(llama, tokenizer):
     """The teacher-forced measure equals the mean per-token KL computed by hand from a Re-prefill
     and a copy of the repaired cache, is 0 for an exact repair, and escalates above threshold."""
-    from kvmemory.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
+    from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
 
     guard = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-12, measure="teacher_forced", tokens=5))
     session, _, sampled = _edited(llama, tokenizer, guard, "shift")
@@ -177,7 +177,7 @@ def test_default_guard_catches_a_late_split_the_first_token_misses(real):
     (1e-2) although its greedy answer differs from Re-prefill's: the default teacher-forced
     measure escalates it, the first-token measure at 1e-2 does not, and Replay stays clean."""
     from kvmemory.demo_cases import default_data_dir
-    from kvmemory.evaluation import qa_cases
+    from kvmemory_lab.evaluation import qa_cases
 
     data = default_data_dir()
     if data is None:
