@@ -184,6 +184,32 @@ def trajectory_bank(w: Workload, split: str, prompts: int, seed: int, updates: i
         return build_bank(w.model, ids, versions, load_snapshot, bar)
 
 
+def bank_path(bank_dir: Path, w: Workload, split: str, prompts: int, seed: int, updates: int,
+              magnitude: float) -> Path:
+    """Where :func:`cached_bank` keeps a bank: one file per (target, split, seed, prompts,
+    updates, magnitude, passages)."""
+    target = w.update_target.replace("@", "").replace(",", "+")
+    return bank_dir / f"{target}_r{w.adapter_config.split('r=')[1].split()[0]}_{split}_s{seed}_p{prompts}_u{updates}_m{magnitude:g}_k{w.passages}.pt"
+
+
+def cached_bank(w: Workload, split: str, prompts: int, seed: int, updates: int, magnitude: float,
+                bank_dir: Path | None):
+    """:func:`trajectory_bank`, loaded from / saved to ``bank_dir`` (None: always built). A bank
+    is our own pickled TrajectoryBank (~7 MB per prompt and version for 15 affected SmolLM2
+    layers at ~240 tokens), so only load files this function wrote."""
+    import torch
+
+    path = bank_path(bank_dir, w, split, prompts, seed, updates, magnitude) if bank_dir else None
+    if path is not None and path.is_file():
+        return torch.load(path, weights_only=False)
+    bank = trajectory_bank(w, split, prompts, seed, updates, magnitude)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(bank, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+    return bank
+
+
 def fit_profile(w: Workload, args, console, profile, updates: int):
     """Fit ``profile``'s δ per ``args.fit_groups`` group for ``args.fit_budget`` on one calibration trajectory
     per ``args.fit_seeds`` seed (``args.fit_prompts`` calibration prompts each)."""
