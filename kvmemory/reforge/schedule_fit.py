@@ -21,8 +21,8 @@ from .profile import ReforgeProfile
 from .scheduler import SchedulerCalibration
 from .trajectory import PolicyReplay, ReplayPolicy
 
-PRICES = (3e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2)  # KL per recomputed layer
-CARRIES = (8.0, 16.0, 32.0)  # updates' deposits a thread may save
+PRICES = (1e-3, 3e-3, 1e-2, 3e-2)  # KL per recomputed layer
+CARRIES = (8.0, 16.0)  # updates' deposits a thread may save
 SEED_POLICIES = (1, 2, 4)  # fixed windows whose states seed the regression
 
 
@@ -91,8 +91,9 @@ class ScheduleFit:
 
 
 def fit_scheduler(replay: PolicyReplay, base: ReforgeProfile, budget_pct: float, *, prices=PRICES,
-                  carries=CARRIES, rounds: int = 2, progress=None) -> tuple[ReforgeProfile, ScheduleFit]:
-    """Fit weights, price and carry on the replay's (calibration) banks for ``budget_pct``.
+                  carries=CARRIES, rounds: int = 2, rule: str = "ratio", progress=None) -> tuple[ReforgeProfile, ScheduleFit]:
+    """Fit weights, price and carry on the replay's (calibration) banks for ``budget_pct``, for
+    one decision ``rule`` (ratio or lagrangian, see :mod:`kvmemory.reforge.scheduler`).
 
     Returns:
         ``base`` with ``scheduler`` set, and the fit record.
@@ -107,7 +108,8 @@ def fit_scheduler(replay: PolicyReplay, base: ReforgeProfile, budget_pct: float,
     for _ in range(rounds):
         weights = fit_tail_weights(*visited_states(replay))
         candidates = [(price, carry) for price in prices for carry in carries]
-        profiles = [base.model_copy(update={"scheduler": SchedulerCalibration(weights=weights, price=p, carry=c)})
+        profiles = [base.model_copy(update={"scheduler": SchedulerCalibration(weights=weights, price=p, carry=c,
+                                                                                   rule=rule)})
                     for p, c in candidates]
         results = replay.evaluate([ReplayPolicy("scheduled", prof, budget_pct) for prof in profiles])
         grid = [{"price": p, "carry": c, "kl": r.kl, "recompute_pct": r.recompute_pct, "top1": r.top1}
@@ -119,7 +121,7 @@ def fit_scheduler(replay: PolicyReplay, base: ReforgeProfile, budget_pct: float,
         if progress is not None:
             progress.update(1)
     best.calibration = best.calibration.model_copy(update={"fit": {
-        "budget_pct": budget_pct, "calibration_kl": best.kl, "calibration_recompute_pct": best.recompute_pct,
+        "budget_pct": budget_pct, "rule": rule, "calibration_kl": best.kl, "calibration_recompute_pct": best.recompute_pct,
         "calibration_top1": best.top1, "stale_kl": best.stale_kl, "calibration_kl_reduction_pct": best.kl_reduction_pct,
         "states": len(replay._kl), "grid": best.grid}})
     return base.model_copy(update={"scheduler": best.calibration}), best
