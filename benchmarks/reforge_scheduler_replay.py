@@ -50,8 +50,10 @@ def main() -> None:
     ev.add_argument("--scales", default="0.7,1.4", help="eq. 9 risk scales for its frontier")
     ev.add_argument("--oracle-prices", default="0.003", help="λ of the exact-KL oracle (empty: none)")
     ev.add_argument("--out", type=Path, required=True)
+    ev.add_argument("--reuse-seeds", action="store_true",
+                    help="take a seed's rows from OUT/seed_S.json when an earlier run of the same policies wrote it")
     for p in (fit, ev):
-        p.add_argument("--prompts", type=int, default=8)
+        p.add_argument("--prompts", default="8", help="prompts per seed: one number, or one per seed (8,8,4)")
         p.add_argument("--updates", type=int, default=32)
         p.add_argument("--bank-dir", type=Path, default=Path(".banks"))
         p.add_argument("--target", default="v_proj")
@@ -77,10 +79,16 @@ def workload(args):
     return load_workload(wargs, Console())
 
 
+def prompts_of(args, seed: int) -> int:
+    counts = [int(x) for x in str(args.prompts).split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    return counts[0] if len(counts) == 1 else dict(zip(seeds, counts))[seed]
+
+
 def banks(w, args, split: str, seeds: list[int]):
     from kvmemory.reforge.cli import cached_bank
 
-    return [cached_bank(w, split, args.prompts, seed, args.updates, 1e-2, args.bank_dir) for seed in seeds]
+    return [cached_bank(w, split, prompts_of(args, seed), seed, args.updates, 1e-2, args.bank_dir) for seed in seeds]
 
 
 def run_fit(w, args) -> None:
@@ -101,7 +109,7 @@ def run_fit(w, args) -> None:
         if best is None or fit.kl < best[1].kl:
             best = (profile, fit)
     profile, fit = best
-    profile.scheduler.fit.update({"seeds": seeds, "prompts_per_seed": args.prompts, "updates": args.updates,
+    profile.scheduler.fit.update({"seeds": seeds, "prompts_per_seed": [prompts_of(args, s) for s in seeds], "updates": args.updates,
                                   "fit_s": time.perf_counter() - t0, "batched_forwards": replay.forwards})
     profile.save(args.out)
     print(f"wrote {args.out}: rule {profile.scheduler.rule}, weights {[round(x, 3) for x in profile.scheduler.weights]}")
@@ -131,7 +139,14 @@ def run_eval(w, args) -> None:
         policies[f"oracle_l{price:g}"] = ReplayPolicy("oracle", budget_pct=budget, price=price,
                                                       carry=profile.scheduler.carry)
     rows, decisions = {}, {}
+    args.out.mkdir(parents=True, exist_ok=True)
     for seed in (int(s) for s in args.seeds.split(",")):
+        saved = args.out / f"seed_{seed}.json"
+        if args.reuse_seeds and saved.is_file():
+            old = json.loads(saved.read_text())
+            if set(policies) <= set(old["rows"]):  # an earlier run of these policies (and maybe more)
+                rows[seed], decisions[seed] = old["rows"], old["decisions"]
+                continue
         t0 = time.perf_counter()
         (bank,) = banks(w, args, "eval", [seed])
         results = PolicyReplay(w.model, [bank], load_snapshot).evaluate(list(policies.values()))
@@ -139,10 +154,10 @@ def run_eval(w, args) -> None:
                       for n, r in zip(policies, results)}
         decisions[seed] = {n: r.ends[0] for n, r in zip(policies, results) if n in ("scheduled", "eq9_fitted")}
         decisions[seed]["restart"], decisions[seed]["num_layers"] = bank.restart, bank.num_layers
+        saved.write_text(json.dumps({"rows": rows[seed], "decisions": decisions[seed]}))
         print(f"seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
         del bank
     result = summarise(rows, decisions, policies, args, profile)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "replay.json").write_text(json.dumps(result, indent=1))
     (args.out / "replay.md").write_text(markdown(result))
     plot(result, args.out / "frontier.png")
@@ -153,14 +168,17 @@ def summarise(rows, decisions, policies, args, profile) -> dict:
     seeds = list(rows)
     pooled = {}
     stale = statistics.fmean(rows[s]["stale"]["kl"] for s in seeds)
-    for n in policies:
+    names = list(dict.fromkeys(n for s in seeds for n in rows[s]))
+    for n in names:
+        if not all(n in rows[s] for s in seeds):  # e.g. the oracle, run on some seeds only
+            continue
         kl = statistics.fmean(rows[s][n]["kl"] for s in seeds)
         pooled[n] = {"kl": kl, "kl_reduction_pct": 100 * (1 - kl / stale) if stale > 0 else None,
                      "recompute_pct": statistics.fmean(rows[s][n]["recompute_pct"] for s in seeds),
                      "top1": statistics.fmean(rows[s][n]["top1"] for s in seeds),
                      "min_seed_kl_reduction_pct": min(100 * (1 - rows[s][n]["kl"] / rows[s]["stale"]["kl"]) for s in seeds)}
     return {"seeds": rows, "pooled": pooled, "decisions": decision_summary(decisions),
-            "prompts_per_seed": args.prompts, "updates": args.updates, "target": args.target, "layer": args.layer,
+            "prompts_per_seed": {s: prompts_of(args, s) for s in seeds}, "updates": args.updates, "target": args.target, "layer": args.layer,
             "profile": str(args.profile), "scheduler": profile.scheduler.model_dump()}
 
 
@@ -187,16 +205,20 @@ def decision_summary(decisions) -> dict:
 
 def markdown(r: dict) -> str:
     seeds = list(r["seeds"])
-    lines = [f"# Scheduler vs eq. 9, held-out exact replay ({r['prompts_per_seed']} prompts × seeds "
-             f"{', '.join(map(str, seeds))}, {r['updates']} updates, target {r['target']}@{r['layer'] or 'N//2'})", "",
+    counts = ", ".join(f"{n} for seed {s}" for s, n in r["prompts_per_seed"].items())
+    lines = [f"# Scheduler vs eq. 9, held-out exact replay ({counts}; {r['updates']} updates, target "
+             f"{r['target']}@{r['layer'] or 'N//2'})", "",
              "| policy | " + " | ".join(f"seed {s}: KL red. % / layers %" for s in seeds)
              + " | pooled KL | pooled KL red. % | pooled layers % | top-1 % | worst seed % |",
              "|---|" + "---|" * (len(seeds) + 5)]
-    for n, p in r["pooled"].items():
+    names = list(dict.fromkeys(n for s in seeds for n in r["seeds"][s]))
+    for n in names:
         cells = [f"{100 * (1 - r['seeds'][s][n]['kl'] / r['seeds'][s]['stale']['kl']):.1f} / "
-                 f"{r['seeds'][s][n]['recompute_pct']:.2f}" for s in seeds]
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {p['kl']:.4f} | {p['kl_reduction_pct']:.2f} | "
-                     f"{p['recompute_pct']:.2f} | {p['top1']:.1f} | {p['min_seed_kl_reduction_pct']:.1f} |")
+                 f"{r['seeds'][s][n]['recompute_pct']:.2f}" if n in r["seeds"][s] else "–" for s in seeds]
+        p = r["pooled"].get(n)
+        tail = (f" | {p['kl']:.4f} | {p['kl_reduction_pct']:.2f} | {p['recompute_pct']:.2f} | {p['top1']:.1f} | "
+                f"{p['min_seed_kl_reduction_pct']:.1f} |") if p else " | – | – | – | – | – |"
+        lines.append(f"| {n} | " + " | ".join(cells) + tail)
     d = r["decisions"]
     lines += ["", "Where the decisions differ (pooled over seeds):", "",
               f"- same range end as eq. 9 (fitted) in {statistics.fmean(d['same_decision_pct']):.1f} % of updates",

@@ -92,6 +92,11 @@ class BudgetAccount:
         per_update = budget_pct * num_layers / 100.0
         return cls(budget_pct, num_layers, cap=max(per_update * carry, per_update))
 
+    @property
+    def per_update(self) -> float:
+        """Layers one adapter update deposits."""
+        return self.budget_pct * self.num_layers / 100.0
+
     def deposit(self, version: str | None = None) -> None:
         """One adapter update's allowance (budget_pct·N/100 layers), up to the cap; with
         ``version``, at most once per adapter version (repeated maintenance calls add nothing)."""
@@ -178,16 +183,24 @@ def _lagrangian_end(suffix, start, lowest, n, price, account) -> int:
 
 def _ratio_end(suffix, start, lowest, n, price, account) -> int:
     """The b with the largest KL̂ reduction per layer among those the cap can ever afford; run it
-    when worth λ per layer and affordable now, else keep ``lowest`` (save for it)."""
+    when worth λ per layer and affordable now, else keep ``lowest`` (save for it) unless the next
+    deposit would overflow the cap: then the best affordable range runs (savings are not wasted)."""
     before = suffix[start] ** 2 / 4.0
-    best_end, best_ratio = None, 0.0
+    best = affordable = None  # (ratio, end)
     for end in range(max(lowest, start + 1), n + 1):
         cost = end - start
         if cost > account.cap + 1e-9 and end > lowest:
             break
         ratio = (before - suffix[end] ** 2 / 4.0) / cost
-        if best_end is None or ratio > best_ratio + 1e-15:
-            best_end, best_ratio = end, ratio
-    if best_end is None or best_ratio < price or best_end - start > account.balance + 1e-9:
+        if best is None or ratio > best[0] + 1e-15:
+            best = (ratio, end)
+        if cost <= account.balance + 1e-9 and (affordable is None or ratio > affordable[0] + 1e-15):
+            affordable = (ratio, end)
+    if best is None or best[0] < price:
         return lowest
-    return max(best_end, lowest)
+    if best[1] - start <= account.balance + 1e-9:
+        return max(best[1], lowest)
+    overflowing = account.balance + account.per_update > account.cap + 1e-9
+    if overflowing and affordable is not None and affordable[0] >= price:
+        return max(affordable[1], lowest)
+    return lowest
