@@ -48,6 +48,8 @@ def main() -> None:
     ev.add_argument("--seeds", default="7,17,29")
     ev.add_argument("--budgets", default="3,4,5,6,8", help="scheduler budgets for its frontier")
     ev.add_argument("--scales", default="0.7,1.4", help="eq. 9 risk scales for its frontier")
+    ev.add_argument("--extra", nargs="*", default=[],
+                    help="NAME=PATH: also replay the scheduler of another profile as scheduled_NAME")
     ev.add_argument("--oracle-prices", default="0.003", help="λ of the exact-KL oracle (empty: none)")
     ev.add_argument("--out", type=Path, required=True)
     ev.add_argument("--reuse-seeds", action="store_true",
@@ -135,6 +137,10 @@ def run_eval(w, args) -> None:
     for b in (float(x) for x in args.budgets.split(",") if x):
         if b != budget:
             policies[f"scheduled_b{b:g}"] = ReplayPolicy("scheduled", profile, b)
+    for item in args.extra:
+        name, path = item.split("=", 1)
+        other = ReforgeProfile.load(path)
+        policies[f"scheduled_{name}"] = ReplayPolicy("scheduled", other, other.scheduler.fit["budget_pct"])
     for price in (float(x) for x in args.oracle_prices.split(",") if x):
         policies[f"oracle_l{price:g}"] = ReplayPolicy("oracle", budget_pct=budget, price=price,
                                                       carry=profile.scheduler.carry)

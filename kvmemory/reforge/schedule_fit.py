@@ -7,6 +7,9 @@ trajectory banks only.
 2. Price and savings cap: the replay runs the scheduler for a grid of λ (KL per recomputed
    layer) and carry values at the given budget and keeps the pair with the lowest calibration KL
    (the budget account caps the recomputed layers whatever λ is).
+   The regression is seeded with the states of fixed windows and of eq. 9 at raised sensitivities
+   (which refresh deep layers too: without them every deep layer is always stale in the data and
+   its weight cannot be told apart from the restart layer's).
 3. The states the fitted scheduler visits are added and the weights refitted (``rounds``), so
    the regression sees the mixed-version states the scheduler itself produces.
 """
@@ -23,7 +26,8 @@ from .trajectory import PolicyReplay, ReplayPolicy
 
 PRICES = (0.0, 1e-3, 3e-3, 1e-2)  # KL per recomputed layer
 CARRIES = (8.0, 16.0)  # updates' deposits a thread may save
-SEED_POLICIES = (1, 2, 4)  # fixed windows whose states seed the regression
+SEED_WINDOWS = (1, 2, 4)  # fixed windows whose states seed the regression
+SEED_SCALES = (1.0, 2.0, 4.0)  # eq. 9 with the base profile's sensitivities × α: states with deep layers refreshed
 
 
 def visited_states(replay: PolicyReplay) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +107,10 @@ def fit_scheduler(replay: PolicyReplay, base: ReforgeProfile, budget_pct: float,
     """
     if not 0 < budget_pct <= 100:
         raise ValueError(f"recompute budget must be in (0, 100] % of layers (got {budget_pct})")
-    stale = replay.evaluate([None, *(ReplayPolicy("fixed_window", window=w) for w in SEED_POLICIES)])[0]
+    seeds = [ReplayPolicy("fixed_window", window=w) for w in SEED_WINDOWS]
+    if any(x > 0 for x in base.sensitivity):
+        seeds += [base.scaled(a) for a in SEED_SCALES]
+    stale = replay.evaluate([None, *seeds])[0]
     best = None
     for _ in range(rounds):
         weights = fit_tail_weights(*visited_states(replay))
