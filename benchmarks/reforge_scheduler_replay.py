@@ -190,7 +190,7 @@ def summarise(rows, decisions, policies, args, profile) -> dict:
 
 def decision_summary(decisions) -> dict:
     """Per-layer refresh frequency (% of updates that recompute layer ℓ) and mean range end."""
-    out = {}
+    out = {}  # frequencies: mean over seeds; refreshes and ends: pooled over trajectories
     for seed, d in decisions.items():
         r, n = d["restart"], d["num_layers"]
         for name in ("scheduled", "eq9_fitted"):
@@ -203,7 +203,7 @@ def decision_summary(decisions) -> dict:
         out.setdefault("same_decision_pct", []).append(100 * same / len(sum(d["scheduled"], [])))
     for name in ("scheduled", "eq9_fitted"):
         ends = out[name].pop("ends")
-        out[name]["refreshes_per_trajectory"] = len(ends) / (len(decisions) * len(next(iter(decisions.values()))[name]))
+        out[name]["refreshes_per_trajectory"] = len(ends) / sum(len(d[name]) for d in decisions.values())
         out[name]["mean_end"] = statistics.fmean(ends) if ends else None
         out[name]["full_suffix_share_pct"] = 100 * sum(1 for e in ends if e == next(iter(decisions.values()))["num_layers"]) / max(1, len(ends))
     return out
@@ -248,9 +248,10 @@ def plot(r: dict, path: Path) -> None:
     for label, prefix in families.items():
         pts = sorted((p["recompute_pct"], p["kl_reduction_pct"]) for n, p in r["pooled"].items() if n.startswith(prefix))
         ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
-    for n, p in r["pooled"].items():
-        if not n.startswith(("eq9_fitted", "scheduled", "stale")):
-            ax.scatter(p["recompute_pct"], p["kl_reduction_pct"], marker="s", label=n)
+    others = [n for n in r["pooled"] if not n.startswith(("eq9_fitted", "scheduled", "stale"))]
+    for k, n in enumerate(others):
+        p = r["pooled"][n]
+        ax.scatter(p["recompute_pct"], p["kl_reduction_pct"], marker="s", color=f"C{k + 2}", label=n)
     ax.axhline(95, color="gray", lw=0.8, ls="--")
     ax.axvline(5, color="gray", lw=0.8, ls="--")
     ax.set_xlabel("recomputed layers (% of N per update)")
