@@ -47,6 +47,8 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     capsys.readouterr()
     assert main(["calibrate", "--data", str(data), "--fit-budget", "0"]) == 2
     assert "--fit-budget must be in (0, 100]" in capsys.readouterr().out
+    assert main(["calibrate", "--data", str(data), "--schedule", "120"]) == 2
+    assert "--schedule must be in (0, 100]" in capsys.readouterr().out
     assert main(["calibrate", "--data", str(data), "--fit-budget", "5", "--fit-groups", "15-x"]) == 2
     assert "--fit-groups" in capsys.readouterr().out
     missing = tmp_path / "missing.json"
@@ -67,6 +69,21 @@ def test_calibrate_fits_a_budget_from_a_labelled_profile(tmp_path):
     assert fitted.key == labelled.key and fitted.conditions == labelled.conditions  # labels kept for reference
     for group, delta in zip(fitted.fit["groups"], fitted.fit["group_delta"]):
         assert all(fitted.delta[layer] == pytest.approx(delta) for layer in group)
+
+
+@pytest.mark.real_model
+@pytest.mark.skipif(default_data_dir() is None, reason="calibration prompts come from ../shared/data (set KVMEMORY_DATA)")
+def test_calibrate_fits_the_scheduler_and_keeps_eq9(tmp_path):
+    out = tmp_path / "sched.json"
+    assert main(["calibrate", "--from-profile", str(ROOT_PROFILE), "--schedule", "20", "--fit-seeds", "53",
+                 "--fit-prompts", "1", "--updates", "3", "--bank-dir", str(tmp_path / "banks"), "--out", str(out)]) == 0
+    fitted, labelled = ReforgeProfile.load(out), ReforgeProfile.load(ROOT_PROFILE)
+    sched = fitted.scheduler
+    assert sched.fit["budget_pct"] == 20 and sched.fit["calibration_recompute_pct"] <= 20 + 1e-9
+    assert sched.fit["calibration_kl"] < sched.fit["stale_kl"]  # the scheduler recovers something
+    assert len(sched.weights) == 30 and all(w == 0 for w in sched.weights[:15]) and any(sched.weights[15:])
+    assert fitted.sensitivity == labelled.sensitivity  # eq. 9 stays in the profile as the reference
+    assert len(list((tmp_path / "banks").glob("*.pt"))) == 1  # the bank is kept for the next run
 
 
 @pytest.mark.real_model

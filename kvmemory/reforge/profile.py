@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .scheduler import SchedulerCalibration
+
 
 class ProfileKey(BaseModel):
     """What a profile is valid for (CacheReforge: "Indexed by model, update target, adapter
@@ -52,6 +54,8 @@ class ReforgeProfile(BaseModel):
     conditions: list[ConditionResult] = Field(default_factory=list)
     fit: dict | None = Field(default=None, description="trajectory fit for a recompute budget "
                              "(kvmemory_lab.reforge.trajectory): budget, group δs, calibration KL and recompute %")
+    scheduler: SchedulerCalibration | None = Field(default=None, description="weights and price of the budgeted "
+                                                   "scheduler (policy 'scheduled'; kvmemory.reforge.scheduler)")
 
     def scaled(self, alpha: float) -> "ReforgeProfile":
         """A copy whose sensitivities are ``alpha`` × s_ℓ (δ_ℓ / alpha): the runtime risk q_ℓ = s_ℓ·d_ℓ

@@ -1,5 +1,6 @@
-"""Runtime range selection after an adapter update (CacheReforge §Methodology, eqs. 8-9) and the
-two RQ4 ablations (drift-only single threshold, fixed two-layer window)."""
+"""Runtime range selection after an adapter update (CacheReforge §Methodology, eqs. 8-9), the
+two RQ4 ablations (drift-only single threshold, fixed two-layer window) and the budgeted
+scheduler that goes beyond eq. 9 (``scheduled``, :mod:`kvmemory.reforge.scheduler`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from .profile import ReforgeProfile
+from .scheduler import BudgetAccount, schedule
 
-Policy = Literal["cachereforge", "exact_suffix", "drift_only", "fixed_window", "stale"]
-POLICIES: tuple[str, ...] = ("cachereforge", "exact_suffix", "drift_only", "fixed_window", "stale")
+Policy = Literal["cachereforge", "scheduled", "exact_suffix", "drift_only", "fixed_window", "stale"]
+POLICIES: tuple[str, ...] = ("cachereforge", "scheduled", "exact_suffix", "drift_only", "fixed_window", "stale")
 FIXED_WINDOW = 2  # layers, the RQ4 fixed-window ablation
 
 
@@ -18,7 +20,9 @@ class Decision:
     """What to recompute: layers ``[start, end)`` (``end`` None: direct reuse).
 
     ``r_kv``: first cache layer the update invalidated (N: none); ``triggered``: layers with
-    q_ℓ ≥ 1 (or d_ℓ ≥ τ for drift-only); ``distances`` d_ℓ and ``risks`` q_ℓ per layer."""
+    q_ℓ ≥ 1 (or d_ℓ ≥ τ for drift-only); ``distances`` d_ℓ and ``risks`` q_ℓ per layer (scheduled:
+    the predicted tail-influence term w_ℓ·d_ℓ of each layer); ``predicted_kl``: the scheduler's
+    KL̂ before and after the chosen refresh (None for other policies)."""
 
     policy: str
     r_kv: int
@@ -27,6 +31,7 @@ class Decision:
     triggered: list[int]
     distances: list[float]
     risks: list[float]
+    predicted_kl: tuple[float, float] | None = None
 
     @property
     def action(self) -> str:
@@ -48,6 +53,7 @@ def decide(
     start: int,
     profile: ReforgeProfile | None = None,
     window: int = FIXED_WINDOW,
+    account: BudgetAccount | None = None,
 ) -> Decision:
     """Choose the recovery range.
 
@@ -56,18 +62,25 @@ def decide(
         distances: d_ℓ(t) = ‖θ_t − θ_ℓ^anchor‖₂ per layer (eq. 8).
         invalid: cache layers whose K/V the update can change (ascending; ``invalid[0]`` = r_kv).
         start: executable restart r (a valid boundary at or below r_kv).
-        profile: calibrated sensitivities (cachereforge) / threshold (drift_only).
+        profile: calibrated sensitivities (cachereforge) / threshold (drift_only) / scheduler
+            calibration (scheduled).
+        account: the cache's running budget (scheduled only; the caller deposits the update's
+            allowance before and charges what it executes after).
 
     Returns:
-        Decision with b_t = 1 + max triggered layer (eq. 9) for cachereforge / drift_only.
+        Decision with b_t = 1 + max triggered layer (eq. 9) for cachereforge / drift_only; for
+        scheduled the affordable b with the lowest KL̂ + λ·(b − r).
 
     Raises:
-        ValueError: unknown policy, or a profile-based policy without a profile / threshold.
+        ValueError: unknown policy, a profile-based policy without a profile / threshold, or
+            scheduled without a scheduler calibration or budget account.
     """
     n = len(distances)
     if policy not in POLICIES:
         raise ValueError(f"unknown CacheReforge policy {policy!r}; use one of {', '.join(POLICIES)}")
     r_kv = invalid[0] if invalid else n
+    if policy == "scheduled":
+        return _scheduled(distances, invalid, start, profile, account)
     risks = [0.0] * n
     triggered: list[int] = []
     end: int | None = None
@@ -89,3 +102,17 @@ def decide(
         if triggered:
             end = 1 + max(triggered)
     return Decision(policy, r_kv, start, end, triggered, list(distances), risks)
+
+
+def _scheduled(distances, invalid, start, profile, account) -> Decision:
+    if profile is None or profile.scheduler is None:
+        raise ValueError("policy 'scheduled' needs a profile with a scheduler calibration: run "
+                         "`kvmemory calibrate --schedule` (or use policy 'cachereforge', eq. 9)")
+    if account is None:
+        raise ValueError("policy 'scheduled' needs the cache's BudgetAccount (ReforgeConfig.budget_pct opens one)")
+    n = len(distances)
+    plan = schedule(distances, invalid, start, profile.scheduler, account)
+    r_kv = invalid[0] if invalid else n
+    chosen = [] if plan.end is None else list(range(max(start, r_kv), plan.end))
+    return Decision("scheduled", r_kv, start, plan.end, chosen, list(distances), plan.terms,
+                    (plan.predicted_before, plan.predicted_after))

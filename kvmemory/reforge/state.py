@@ -27,6 +27,7 @@ from .profile import ReforgeProfile
 from .recovery import decoder_of, embed, overwrite_layers, run_layers
 from .restart import BoundaryStore, target_boundaries
 from .runtime import POLICIES, Decision, decide
+from .scheduler import BudgetAccount
 from .versions import AdapterState, LayerAnchors, base_state, capture_adapter, lora_modules, unknown_state
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,9 @@ class ReforgeConfig:
     modules, eq. S4). ``adapter``: the adapter whose trainable modules define those restart
     layers (None: every adapter's); it never narrows the version, which always covers every
     computing adapter, which adapters compute and whether they are disabled.
-    ``window``: fixed_window size in layers.
+    ``window``: fixed_window size in layers. ``budget_pct``: the scheduled policy's recompute
+    budget, % of the N layers per adapter update (its profile needs a ``scheduler`` calibration;
+    the paper's eq. 9 stays available as ``cachereforge``).
     """
 
     policy: str | None = None
@@ -77,6 +80,7 @@ class ReforgeConfig:
     boundary_layers: tuple[int, ...] | None = None
     adapter: str | None = None
     window: int = 2
+    budget_pct: float = 5.0
 
     def resolved_policy(self) -> str:
         policy = self.policy or ("cachereforge" if self.profile is not None else "exact_suffix")
@@ -96,7 +100,9 @@ class ReforgeReport:
     current adapter by a distance (other adapters computing or disabled, or anchors restored
     without θ), recomputed exactly whatever the policy's distance rule says; ``fallback``: why
     every layer was re-prefilled instead of the chosen range (a capability gate: sliding
-    windows, a quantized cache), None otherwise."""
+    windows, a quantized cache), None otherwise; ``budget``: the scheduled policy's account after
+    this step (balance, cap, deposits and spent, in layers; None for other policies);
+    ``predicted_kl``: the scheduler's predicted KL before / after its chosen range."""
 
     adapter_version: str | None
     policy: str
@@ -115,6 +121,8 @@ class ReforgeReport:
     request_ms: float = 0.0
     note: str | None = None
     fallback: str | None = None
+    budget: dict | None = None
+    predicted_kl: tuple[float, float] | None = None
 
     @property
     def maintenance_ms(self) -> float:
@@ -138,9 +146,14 @@ class ReforgeState:
         self.model = model
         self.config = config or ReforgeConfig()
         policy = self.config.resolved_policy()
-        if policy in ("cachereforge", "drift_only") and self.config.profile is None:
+        if policy in ("cachereforge", "drift_only", "scheduled") and self.config.profile is None:
             raise ValueError(f"CacheReforge policy {policy!r} needs a calibration profile: run `kvmemory calibrate`")
+        if policy == "scheduled" and self.config.profile.scheduler is None:
+            raise ValueError("policy 'scheduled' needs a profile with a scheduler calibration: run "
+                             "`kvmemory calibrate --schedule 5` (or use policy 'cachereforge', eq. 9)")
         self.num_layers = model.config.get_text_config().num_hidden_layers
+        self.account = BudgetAccount.open(self.config.budget_pct, self.num_layers, self.config.profile.scheduler.carry) \
+            if policy == "scheduled" else None
         modules = lora_modules(model)
         adapter = self.config.adapter
         loaded = sorted({a for m in modules for a in m.adapters()})
@@ -164,6 +177,7 @@ class ReforgeState:
         other.__dict__.update(self.__dict__)
         other.anchors = self.anchors.clone()
         other.boundaries = self.boundaries.clone()
+        other.account = dataclasses.replace(self.account) if self.account is not None else None
         return other
 
     def overwrite_rows_from(self, start: int) -> int:
@@ -275,11 +289,14 @@ class ReforgeState:
             self.anchors.set(range(self.num_layers), unknown_state(self.num_layers))
         reanchored, invalid = self._reanchor_unchanged(current)
         start = self.boundaries.valid_start(invalid[0], current, rows) if invalid else self.num_layers
+        account = self._account(policy, invalid, current)
         decision = decide(policy, self.anchors.distances(current), invalid, start,
-                          self.config.profile, self.config.window)
+                          self.config.profile, self.config.window, account)
         incomparable = self.anchors.incomparable(current, invalid)
         if policy != "stale":  # the stale baseline reuses everything on purpose (reported stale)
             decision = _covering(decision, incomparable)
+        if account is not None:  # exact-recompute widening is charged too
+            account.charge(decision.layers)
         if decision.action != "reuse":
             self._execute(view, out, decision.start, decision.end, current)
         t1 = time.perf_counter()
@@ -292,6 +309,16 @@ class ReforgeState:
         out.report = self._report(current, policy, decision, rows, reanchored, t0, incomparable)
         out.report.request_ms = (time.perf_counter() - t1) * 1000.0
         return out
+
+    def _account(self, policy: str, invalid: list[int], current: AdapterState) -> BudgetAccount | None:
+        """The scheduled policy's budget with this adapter version's allowance deposited (once)."""
+        if policy != "scheduled":
+            return None
+        if self.account is None or self.account.budget_pct != self.config.budget_pct:
+            self.account = BudgetAccount.open(self.config.budget_pct, self.num_layers, self.config.profile.scheduler.carry)
+        if invalid:
+            self.account.deposit(current.digest)
+        return self.account
 
     def _reanchor_unchanged(self, current: AdapterState) -> tuple[list[int], list[int]]:
         """Layers whose K/V the change cannot reach keep their rows and take the new anchor."""
@@ -378,6 +405,8 @@ class ReforgeState:
             mixed=versions.mixed,
             ms=(time.perf_counter() - t0) * 1000.0,
             fallback=self._fallback,
+            budget=self.account.as_dict() if self.account is not None and policy == "scheduled" else None,
+            predicted_kl=decision.predicted_kl if decision else None,
         )
         self._fallback = None
         notes = []

@@ -52,6 +52,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         "default) or inclusive layer ranges like 15-15,16-16,17-18")
     parser.add_argument("--fit-prompts", type=int, default=8,
                         help="calibration prompts per fit trajectory (default 8, the paper's samples per task)")
+    parser.add_argument("--schedule", type=float, default=None, metavar="BUDGET",
+                        help="also fit the budgeted scheduler (policy 'scheduled', kvmemory.reforge.scheduler) for this "
+                        "recompute budget (%% of layers per update) on the --fit-seeds calibration trajectories")
+    parser.add_argument("--bank-dir", type=Path, default=None,
+                        help="keep calibration trajectory banks here between runs (~2 GB per 8-prompt, 32-update bank)")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -98,6 +103,9 @@ def check_workload_args(args) -> str | None:
     budget = getattr(args, "fit_budget", None)
     if budget is not None and not 0 < budget <= 100:
         return f"--fit-budget must be in (0, 100] % of layers (got {budget})"
+    schedule = getattr(args, "schedule", None)
+    if schedule is not None and not 0 < schedule <= 100:
+        return f"--schedule must be in (0, 100] % of layers (got {schedule})"
     if getattr(args, "fit_prompts", 1) < 1:
         return "--fit-prompts must be at least 1"
     try:
@@ -142,6 +150,8 @@ def run_calibration(w: Workload, args, console, *, samples: int, updates: int, s
         profile = _label_calibration(w, args, key, samples=samples, updates=updates, starts=starts, gaps=gaps)
     if getattr(args, "fit_budget", None):
         profile = fit_profile(w, args, console, profile, updates)
+    if getattr(args, "schedule", None):
+        profile = schedule_profile(w, args, console, profile, updates)
     return profile
 
 
@@ -184,14 +194,40 @@ def trajectory_bank(w: Workload, split: str, prompts: int, seed: int, updates: i
         return build_bank(w.model, ids, versions, load_snapshot, bar)
 
 
+def bank_path(bank_dir: Path, w: Workload, split: str, prompts: int, seed: int, updates: int,
+              magnitude: float) -> Path:
+    """Where :func:`cached_bank` keeps a bank: one file per (target, split, seed, prompts,
+    updates, magnitude, passages)."""
+    target = w.update_target.replace("@", "").replace(",", "+")
+    return bank_dir / f"{target}_r{w.adapter_config.split('r=')[1].split()[0]}_{split}_s{seed}_p{prompts}_u{updates}_m{magnitude:g}_k{w.passages}.pt"
+
+
+def cached_bank(w: Workload, split: str, prompts: int, seed: int, updates: int, magnitude: float,
+                bank_dir: Path | None):
+    """:func:`trajectory_bank`, loaded from / saved to ``bank_dir`` (None: always built). A bank
+    is our own pickled TrajectoryBank (~7 MB per prompt and version for 15 affected SmolLM2
+    layers at ~240 tokens), so only load files this function wrote."""
+    import torch
+
+    path = bank_path(bank_dir, w, split, prompts, seed, updates, magnitude) if bank_dir else None
+    if path is not None and path.is_file():
+        return torch.load(path, weights_only=False)
+    bank = trajectory_bank(w, split, prompts, seed, updates, magnitude)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(bank, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+    return bank
+
+
 def fit_profile(w: Workload, args, console, profile, updates: int):
     """Fit ``profile``'s δ per ``args.fit_groups`` group for ``args.fit_budget`` on one calibration trajectory
     per ``args.fit_seeds`` seed (``args.fit_prompts`` calibration prompts each)."""
     from .trajectory import PolicyReplay, fit_to_budget, parse_groups
     from .workload import load_snapshot
 
-    banks = [trajectory_bank(w, "calibration", args.fit_prompts, seed, updates, args.magnitude)
-             for seed in args.fit_seeds]
+    banks = [cached_bank(w, "calibration", args.fit_prompts, seed, updates, args.magnitude,
+                         getattr(args, "bank_dir", None)) for seed in args.fit_seeds]
     replay = PolicyReplay(w.model, banks, load_snapshot)
     with tqdm(desc="fitting δ per group", unit="round") as bar:
         fitted, fit = fit_to_budget(replay, profile, args.fit_budget, progress=bar,
@@ -208,6 +244,26 @@ def fit_profile(w: Workload, args, console, profile, updates: int):
                   f"{fit.kl:.4f} ({fit.kl_reduction_pct:.1f} % below stale) at {fit.recompute_pct:.2f} % layers "
                   f"(labelled δ: KL {fit.start_kl:.4f} at {fit.start_recompute_pct:.2f} %)")
     return fitted
+
+
+def schedule_profile(w: Workload, args, console, profile, updates: int):
+    """``profile`` with a scheduler calibration for ``args.schedule`` fitted on the ``args.fit_seeds``
+    calibration trajectories (both decision rules tried; the lower calibration KL is kept)."""
+    from .schedule_fit import fit_scheduler
+    from .trajectory import PolicyReplay
+    from .workload import load_snapshot
+
+    banks = [cached_bank(w, "calibration", args.fit_prompts, seed, updates, args.magnitude,
+                         getattr(args, "bank_dir", None)) for seed in args.fit_seeds]
+    replay = PolicyReplay(w.model, banks, load_snapshot)
+    fits = [fit_scheduler(replay, profile, args.schedule, rule=rule) for rule in ("ratio", "lagrangian")]
+    scheduled, fit = min(fits, key=lambda pf: pf[1].kl)
+    scheduled.scheduler.fit.update({"seeds": list(args.fit_seeds), "prompts_per_seed": args.fit_prompts,
+                                    "updates": updates})
+    console.print(f"scheduler ({scheduled.scheduler.rule}, λ {scheduled.scheduler.price:g}, carry "
+                  f"{scheduled.scheduler.carry:g}): calibration KL {fit.kl:.4f} ({fit.kl_reduction_pct:.1f} % below "
+                  f"stale) at {fit.recompute_pct:.2f} % layers")
+    return scheduled
 
 
 def calibration_plan(quick: bool, args=None) -> dict:

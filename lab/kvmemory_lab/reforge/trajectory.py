@@ -29,9 +29,10 @@ import torch
 from kvmemory import kvcache
 from kvmemory.executors.sequential import forward_rows
 from kvmemory.reforge.profile import ReforgeProfile
-from kvmemory.reforge.recovery import decoder_of
+from kvmemory.reforge.recovery import decoder_of, run_layers
 from kvmemory.reforge.restart import restart_layers
-from kvmemory.reforge.runtime import decide
+from kvmemory.reforge.runtime import Decision, decide
+from kvmemory.reforge.scheduler import BudgetAccount
 from kvmemory.reforge.versions import capture_adapter, lora_modules
 
 from ..metrics import first_token_kl
@@ -123,42 +124,77 @@ def _exec_restarts(model, num_layers: int) -> list[int]:
 
 
 def _prompt_versions(model, ids, snapshots, load_version, restart, progress) -> PromptVersions:
-    base, kv, fresh, entry = [], [], [], []
+    """Layers below the restart are adapter-independent: one prefill at v_0 gives their K/V and
+    the rows entering layer r; every version then executes only layers ``[r, N)`` from that
+    state (``recovery.run_layers``, the executor maintenance uses) and the last prompt token."""
+    entering = []
 
     def capture(module, args, kwargs):
-        entry.append((args[0] if args else kwargs["hidden_states"]).detach().clone())
+        entering.append((args[0] if args else kwargs["hidden_states"]).detach().clone())
 
-    for snap in snapshots:
-        load_version(model, snap)
+    load_version(model, snapshots[0])
+    num_layers = model.config.get_text_config().num_hidden_layers
+    hook = decoder_of(model).layers[restart].register_forward_pre_hook(capture, with_kwargs=True)
+    try:
         cache = kvcache.new_cache(model.config)
         forward_rows(model, cache, ids[:-1], 0)
-        layers = kvcache.layer_tensors(cache)
-        if not base:
-            base = [(k.clone(), v.clone()) for k, v in layers[:restart]]
-        kv.append([(k.clone(), v.clone()) for k, v in layers[restart:]])
-        hook = decoder_of(model).layers[restart].register_forward_pre_hook(capture, with_kwargs=True) if not entry else None
-        try:
-            fresh.append(forward_rows(model, cache, ids[-1:], ids.shape[0] - 1))
-        finally:
-            if hook is not None:
-                hook.remove()
+        forward_rows(model, kvcache.clone_cache(cache), ids[-1:], ids.shape[0] - 1)
+    finally:
+        hook.remove()
+    rows, entry = entering
+    base = [(k.clone(), v.clone()) for k, v in kvcache.layer_tensors(cache)[:restart]]
+    kv, fresh = [], []
+    for snap in snapshots:
+        load_version(model, snap)
+        run = run_layers(model, rows, restart, num_layers)
+        kv.append([run.kv[layer] for layer in range(restart, num_layers)])
+        version_cache = kvcache.from_tensors([*base, *kv[-1]])
+        fresh.append(forward_rows(model, version_cache, ids[-1:], ids.shape[0] - 1))
         if progress is not None:
             progress.update(1)
-    return PromptVersions(ids, base, kv, fresh, entry[0])
+    return PromptVersions(ids, base, kv, fresh, entry)
 
 
 @dataclass
 class ReplayResult:
-    """Mean first-token KL to fresh and mean recomputed layers (% of N) over every (prompt,
-    update) of the banks; ``actions`` counts reuse / bounded / full_suffix decisions."""
+    """Mean first-token KL to fresh, top-1 agreement (%) and mean recomputed layers (% of N)
+    over every (prompt, update) of the banks; ``actions`` counts reuse / bounded / full_suffix
+    decisions; ``ends[bank][prompt][t - 1]`` the range end chosen at update t (None: reuse);
+    ``kls`` the per-state KLs in the same order (bank, update, prompt)."""
 
     kl: float
     recompute_pct: float
     actions: dict[str, int]
+    top1: float = 0.0
+    ends: list = field(default_factory=list)
+    kls: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReplayPolicy:
+    """A policy :meth:`PolicyReplay.evaluate` replays: ``policy`` as in ``runtime.decide``
+    (cachereforge, scheduled, drift_only, fixed_window, exact_suffix) or ``oracle`` (the
+    scheduler's budget rule choosing by the *exact* KL of every candidate range: an upper
+    reference for any KL predictor, not a runtime policy); ``budget_pct`` for scheduled / oracle;
+    ``price`` λ of the oracle (KL per layer); ``carry`` its savings cap (updates)."""
+
+    policy: str
+    profile: ReforgeProfile | None = None
+    budget_pct: float | None = None
+    window: int = 2
+    price: float = 0.0
+    carry: float = 16.0
+
+    def account(self, num_layers: int):
+        if self.policy == "scheduled":
+            return BudgetAccount.open(self.budget_pct, num_layers, self.profile.scheduler.carry)
+        if self.policy == "oracle":
+            return BudgetAccount.open(self.budget_pct, num_layers, self.carry)
+        return None
 
 
 class PolicyReplay:
-    """Replays eq. 9 over trajectory banks; KL per visited state is computed once.
+    """Replays runtime policies over trajectory banks; KL per visited state is computed once.
 
     A state is (bank, prompt, version t, versions of the affected layers). Evaluating many
     candidate profiles together batches their new states per version into padded forwards of
@@ -168,44 +204,86 @@ class PolicyReplay:
     def __init__(self, model, banks: list[TrajectoryBank], load_version, max_batch: int = 48):
         self.model, self.banks, self.load_version, self.max_batch = model, banks, load_version, max_batch
         self._kl: dict[tuple, float] = {}
+        self._top1: dict[tuple, bool] = {}
         self.forwards = 0
 
-    def evaluate(self, profiles: list[ReforgeProfile | None]) -> list[ReplayResult]:
-        """One :class:`ReplayResult` per profile (None: stale reuse, nothing recomputed)."""
-        kls = [[] for _ in profiles]
-        recs = [[] for _ in profiles]
-        actions = [{"reuse": 0, "bounded": 0, "full_suffix": 0} for _ in profiles]
+    def evaluate(self, profiles: list) -> list[ReplayResult]:
+        """One :class:`ReplayResult` per entry: None (stale reuse, nothing recomputed), a
+        :class:`ReforgeProfile` (eq. 9) or a :class:`ReplayPolicy`."""
+        policies = [p if p is None or isinstance(p, ReplayPolicy) else ReplayPolicy("cachereforge", p)
+                    for p in profiles]
+        kls = [[] for _ in policies]
+        tops = [[] for _ in policies]
+        recs = [[] for _ in policies]
+        ends = [[] for _ in policies]
+        actions = [{"reuse": 0, "bounded": 0, "full_suffix": 0} for _ in policies]
         for b, bank in enumerate(self.banks):
-            anchors = [[[0] * len(bank.prompts[0].kv[0]) for _ in bank.prompts] for _ in profiles]
+            width = len(bank.prompts[0].kv[0])
+            anchors = [[[0] * width for _ in bank.prompts] for _ in policies]
+            accounts = [[p.account(bank.num_layers) if p else None for _ in bank.prompts] for p in policies]
+            for c in range(len(policies)):
+                ends[c].append([[] for _ in bank.prompts])
             for t in range(1, bank.updates + 1):
-                keys = [[None] * len(bank.prompts) for _ in profiles]
-                for c, profile in enumerate(profiles):
+                if any(p is not None and p.policy == "oracle" for p in policies):
+                    self._fill(bank, t, {k for c, p in enumerate(policies) if p is not None and p.policy == "oracle"
+                                         for i in range(len(bank.prompts))
+                                         for k in self._candidates(b, i, t, anchors[c][i], bank)
+                                         if k not in self._kl})
+                keys = [[None] * len(bank.prompts) for _ in policies]
+                for c, policy in enumerate(policies):
                     for i in range(len(bank.prompts)):
-                        layers, action = self._step(bank, t, anchors[c][i], profile)
+                        layers, action, end = self._step(b, i, bank, t, anchors[c][i], policy, accounts[c][i])
                         recs[c].append(100.0 * layers / bank.num_layers)
                         actions[c][action] += 1
+                        ends[c][b][i].append(end)
                         keys[c][i] = (b, i, t, tuple(anchors[c][i]))
                 self._fill(bank, t, {k for row in keys for k in row if k not in self._kl})
-                for c in range(len(profiles)):
+                for c in range(len(policies)):
                     kls[c] += [self._kl[k] for k in keys[c]]
+                    tops[c] += [self._top1[k] for k in keys[c]]
             self.load_version(self.model, bank.snapshots[0])  # _fill switched versions
-        return [ReplayResult(statistics.fmean(k), statistics.fmean(r), a) for k, r, a in zip(kls, recs, actions)]
+        return [ReplayResult(statistics.fmean(k), statistics.fmean(r), a, 100.0 * statistics.fmean(tp), e, k)
+                for k, r, a, tp, e in zip(kls, recs, actions, tops, ends)]
 
     @staticmethod
-    def _step(bank: TrajectoryBank, t: int, anchor: list[int], profile) -> tuple[int, str]:
-        """Apply the runtime decision at version t to ``anchor`` (in place); returns the executed
-        layers and the action."""
-        if profile is None:
-            return 0, "reuse"
+    def _candidates(b: int, i: int, t: int, anchor: list[int], bank: TrajectoryBank) -> list[tuple]:
+        """The states each range ``[r, end)`` would leave at version t (end = r: reuse)."""
+        r, width = bank.restart, len(anchor)
+        return [(b, i, t, tuple([t] * h + anchor[h:])) for h in range(width + 1)]
+
+    def _step(self, b: int, i: int, bank: TrajectoryBank, t: int, anchor: list[int], policy, account):
+        """Apply the policy's decision at version t to ``anchor`` (in place); returns the executed
+        layers, the action and the range end (None: reuse)."""
+        if policy is None:
+            return 0, "reuse", None
         r = bank.restart
         distances = [0.0] * bank.num_layers
         for j, a in enumerate(anchor):
             distances[r + j] = float(bank.distances[t, a])
-        decision = decide("cachereforge", distances, bank.invalid, r, profile)
+        if account is not None:
+            account.deposit()
+        if policy.policy == "oracle":
+            end = self._oracle_end(b, i, t, anchor, bank, policy, account)
+            decision = Decision("oracle", bank.invalid[0], r, end, [], distances, [0.0] * bank.num_layers)
+        else:
+            decision = decide(policy.policy, distances, bank.invalid, r, policy.profile, policy.window, account)
+        if account is not None:
+            account.charge(decision.layers)
         if decision.action != "reuse":
             for layer in range(decision.start, decision.end):
                 anchor[layer - r] = t
-        return decision.layers, decision.action
+        return decision.layers, decision.action, decision.end if decision.action != "reuse" else None
+
+    def _oracle_end(self, b, i, t, anchor, bank, policy: ReplayPolicy, account) -> int | None:
+        r = bank.restart
+        best, best_score = None, float("inf")
+        for h, key in enumerate(self._candidates(b, i, t, anchor, bank)):
+            if h > account.balance + 1e-9:
+                break
+            score = self._kl[key] + policy.price * h
+            if score < best_score - 1e-15:
+                best, best_score = (None if h == 0 else r + h), score
+        return best
 
     def _fill(self, bank: TrajectoryBank, t: int, keys: set) -> None:
         if not keys:
@@ -216,7 +294,9 @@ class PolicyReplay:
             chunk = ordered[start:start + self.max_batch]
             logits = self._forward(bank, chunk)
             for key, z in zip(chunk, logits):
-                self._kl[key] = first_token_kl(bank.prompts[key[1]].fresh[t], z)
+                fresh = bank.prompts[key[1]].fresh[t]
+                self._kl[key] = first_token_kl(fresh, z)
+                self._top1[key] = int(torch.argmax(z)) == int(torch.argmax(fresh))
 
     def _forward(self, bank: TrajectoryBank, keys: list[tuple]) -> torch.Tensor:
         """Logits ``[len(keys), vocab]`` of each state's last prompt token: caches padded at the

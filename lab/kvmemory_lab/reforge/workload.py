@@ -107,9 +107,11 @@ def middle_layer(num_layers: int) -> int:
     return num_layers // 2
 
 
-def attach_lora(model, target: str = "v_proj", layer: int | None = None, rank: int = 8, alpha: int = 16, seed: int = 0):
-    """Wrap ``model`` with a rank-``rank`` peft LoRA on ``target`` at decoder ``layer``
-    (default: the middle layer). B starts at zero (version 0 = the base model).
+def attach_lora(model, target: str = "v_proj", layer: int | list[int] | None = None, rank: int = 8, alpha: int = 16,
+                seed: int = 0):
+    """Wrap ``model`` with a rank-``rank`` peft LoRA on ``target`` at decoder ``layer`` (default:
+    the middle layer; a list puts one LoRA on each of those layers). B starts at zero (version 0 =
+    the base model).
 
     Returns:
         ``(peft_model, update_target, adapter_config)`` labels for the calibration profile key.
@@ -117,12 +119,12 @@ def attach_lora(model, target: str = "v_proj", layer: int | None = None, rank: i
     from peft import LoraConfig, get_peft_model
 
     n = model.config.get_text_config().num_hidden_layers
-    layer = middle_layer(n) if layer is None else layer
+    layers = [middle_layer(n)] if layer is None else [layer] if isinstance(layer, int) else sorted(layer)
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=[target], layers_to_transform=[layer])
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=[target], layers_to_transform=layers)
     peft_model = get_peft_model(model, config)
     peft_model.eval()
-    return peft_model, f"{target}@{layer}", f"lora r={rank} alpha={alpha} targets={target}"
+    return peft_model, f"{target}@{','.join(map(str, layers))}", f"lora r={rank} alpha={alpha} targets={target}"
 
 
 def trainable_snapshot(model) -> dict[str, torch.Tensor]:

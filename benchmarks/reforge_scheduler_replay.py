@@ -1,0 +1,268 @@
+"""The budgeted CacheReforge scheduler against the paper's eq. 9 by exact replay
+(``kvmemory.reforge.trajectory.PolicyReplay``) on cached trajectory banks.
+
+Fit (calibration banks only, seeds 53 and 61 as in the paper)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/reforge_scheduler_replay.py fit \
+        --base benchmarks/results/reforge_profiles/fit5_seeds53-61.json --budget 5 --bank-dir .banks \
+        --out benchmarks/results/reforge_profiles/sched5_seeds53-61.json
+
+Held-out replay (8 eval prompts × seeds 7, 17, 29, 32 updates)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/reforge_scheduler_replay.py eval \
+        --profile benchmarks/results/reforge_profiles/sched5_seeds53-61.json \
+        --labelled benchmarks/results/reforge_profiles/calib16_gaps1-4-16.json --bank-dir .banks \
+        --out benchmarks/results/reforge_scheduler
+
+Writes ``replay.json`` / ``replay.md`` / ``frontier.png``: per seed and pooled KL reduction vs
+stale reuse and recomputed layers for stale reuse, eq. 9 (labelled and fitted δ, with risk
+scales for its frontier), drift-only, fixed window, the scheduler (at several budgets for its
+frontier) and the exact-KL oracle (an in-sample reference, not a runtime policy), plus where the
+scheduler's decisions differ from eq. 9 (per-layer refresh frequency, range ends).
+Banks (~2 GB each for 8 prompts × 33 versions) are kept in ``--bank-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    fit = sub.add_parser("fit", help="fit the scheduler on calibration banks")
+    fit.add_argument("--base", type=Path, required=True, help="eq. 9 profile the scheduler is added to")
+    fit.add_argument("--budget", type=float, default=5.0)
+    fit.add_argument("--seeds", default="53,61")
+    fit.add_argument("--rules", default="ratio,lagrangian")
+    fit.add_argument("--out", type=Path, required=True)
+    ev = sub.add_parser("eval", help="replay every policy on held-out banks")
+    ev.add_argument("--profile", type=Path, required=True, help="profile with a scheduler calibration")
+    ev.add_argument("--labelled", type=Path, default=None, help="the paper's label-calibrated profile (eq. 6-7)")
+    ev.add_argument("--seeds", default="7,17,29")
+    ev.add_argument("--budgets", default="3,4,5,6,8", help="scheduler budgets for its frontier")
+    ev.add_argument("--scales", default="0.7,1.4", help="eq. 9 risk scales for its frontier")
+    ev.add_argument("--extra", nargs="*", default=[],
+                    help="NAME=PATH: also replay the scheduler of another profile as scheduled_NAME")
+    ev.add_argument("--oracle-prices", default="0.003", help="λ of the exact-KL oracle (empty: none)")
+    ev.add_argument("--out", type=Path, required=True)
+    ev.add_argument("--reuse-seeds", action="store_true",
+                    help="take a seed's rows from OUT/seed_S.json when an earlier run of the same policies wrote it")
+    for p in (fit, ev):
+        p.add_argument("--prompts", default="8", help="prompts per seed: one number, or one per seed (8,8,4)")
+        p.add_argument("--updates", type=int, default=32)
+        p.add_argument("--bank-dir", type=Path, default=Path(".banks"))
+        p.add_argument("--target", default="v_proj")
+        p.add_argument("--layer", default=None, help="LoRA layer(s), comma list (default N//2)")
+    args = parser.parse_args()
+    w = workload(args)
+    (run_fit if args.command == "fit" else run_eval)(w, args)
+
+
+def workload(args):
+    from kvmemory.reforge.cli import add_workload_arguments, check_workload_args, load_workload
+
+    wl = argparse.ArgumentParser()
+    add_workload_arguments(wl)
+    wargs = wl.parse_args(["--target", args.target])
+    wargs.quick = False
+    problem = check_workload_args(wargs)
+    if problem:
+        raise SystemExit(problem)
+    if args.layer is not None:
+        wargs.layer = [int(x) for x in str(args.layer).split(",")]
+        wargs.layer = wargs.layer[0] if len(wargs.layer) == 1 else wargs.layer
+    return load_workload(wargs, Console())
+
+
+def prompts_of(args, seed: int) -> int:
+    counts = [int(x) for x in str(args.prompts).split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    return counts[0] if len(counts) == 1 else dict(zip(seeds, counts))[seed]
+
+
+def banks(w, args, split: str, seeds: list[int]):
+    from kvmemory.reforge.cli import cached_bank
+
+    return [cached_bank(w, split, prompts_of(args, seed), seed, args.updates, 1e-2, args.bank_dir) for seed in seeds]
+
+
+def run_fit(w, args) -> None:
+    from kvmemory.reforge.profile import ReforgeProfile
+    from kvmemory.reforge.schedule_fit import fit_scheduler
+    from kvmemory.reforge.trajectory import PolicyReplay
+    from kvmemory.reforge.workload import load_snapshot
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    replay = PolicyReplay(w.model, banks(w, args, "calibration", seeds), load_snapshot)
+    base = ReforgeProfile.load(args.base)
+    t0 = time.perf_counter()
+    best = None
+    for rule in args.rules.split(","):
+        profile, fit = fit_scheduler(replay, base, args.budget, rule=rule)
+        print(f"{rule}: calibration {fit.kl_reduction_pct:.2f} % KL reduction at {fit.recompute_pct:.2f} % layers "
+              f"(λ {fit.calibration.price:g}, carry {fit.calibration.carry:g})", flush=True)
+        if best is None or fit.kl < best[1].kl:
+            best = (profile, fit)
+    profile, fit = best
+    profile.scheduler.fit.update({"seeds": seeds, "prompts_per_seed": [prompts_of(args, s) for s in seeds], "updates": args.updates,
+                                  "fit_s": time.perf_counter() - t0, "batched_forwards": replay.forwards})
+    profile.save(args.out)
+    print(f"wrote {args.out}: rule {profile.scheduler.rule}, weights {[round(x, 3) for x in profile.scheduler.weights]}")
+
+
+def run_eval(w, args) -> None:
+    from kvmemory.reforge.profile import ReforgeProfile
+    from kvmemory.reforge.trajectory import PolicyReplay, ReplayPolicy
+    from kvmemory.reforge.workload import load_snapshot
+
+    profile = ReforgeProfile.load(args.profile)
+    policies = {"stale": None}
+    if args.labelled:
+        labelled = ReforgeProfile.load(args.labelled)
+        policies["eq9_labelled"] = labelled
+        policies["drift_only"] = ReplayPolicy("drift_only", labelled)
+    policies["eq9_fitted"] = profile
+    for a in (float(x) for x in args.scales.split(",") if x):
+        policies[f"eq9_fitted_x{a:g}"] = profile.scaled(a)
+    policies["fixed_window"] = ReplayPolicy("fixed_window", window=2)
+    budget = profile.scheduler.fit["budget_pct"] if profile.scheduler.fit else 5.0
+    policies["scheduled"] = ReplayPolicy("scheduled", profile, budget)
+    for b in (float(x) for x in args.budgets.split(",") if x):
+        if b != budget:
+            policies[f"scheduled_b{b:g}"] = ReplayPolicy("scheduled", profile, b)
+    for item in args.extra:
+        name, path = item.split("=", 1)
+        other = ReforgeProfile.load(path)
+        policies[f"scheduled_{name}"] = ReplayPolicy("scheduled", other, other.scheduler.fit["budget_pct"])
+    for price in (float(x) for x in args.oracle_prices.split(",") if x):
+        policies[f"oracle_l{price:g}"] = ReplayPolicy("oracle", budget_pct=budget, price=price,
+                                                      carry=profile.scheduler.carry)
+    rows, decisions = {}, {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for seed in (int(s) for s in args.seeds.split(",")):
+        saved = args.out / f"seed_{seed}.json"
+        if args.reuse_seeds and saved.is_file():
+            old = json.loads(saved.read_text())
+            if set(policies) <= set(old["rows"]):  # an earlier run of these policies (and maybe more)
+                rows[seed], decisions[seed] = old["rows"], old["decisions"]
+                continue
+        t0 = time.perf_counter()
+        (bank,) = banks(w, args, "eval", [seed])
+        results = PolicyReplay(w.model, [bank], load_snapshot).evaluate(list(policies.values()))
+        rows[seed] = {n: {"kl": r.kl, "top1": r.top1, "recompute_pct": r.recompute_pct, "actions": r.actions}
+                      for n, r in zip(policies, results)}
+        decisions[seed] = {n: r.ends[0] for n, r in zip(policies, results) if n in ("scheduled", "eq9_fitted")}
+        decisions[seed]["restart"], decisions[seed]["num_layers"] = bank.restart, bank.num_layers
+        saved.write_text(json.dumps({"rows": rows[seed], "decisions": decisions[seed]}))
+        print(f"seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
+        del bank
+    result = summarise(rows, decisions, policies, args, profile)
+    (args.out / "replay.json").write_text(json.dumps(result, indent=1))
+    (args.out / "replay.md").write_text(markdown(result))
+    plot(result, args.out / "frontier.png")
+    print(markdown(result))
+
+
+def summarise(rows, decisions, policies, args, profile) -> dict:
+    seeds = list(rows)
+    pooled = {}
+    stale = statistics.fmean(rows[s]["stale"]["kl"] for s in seeds)
+    names = list(dict.fromkeys(n for s in seeds for n in rows[s]))
+    for n in names:
+        if not all(n in rows[s] for s in seeds):  # e.g. the oracle, run on some seeds only
+            continue
+        kl = statistics.fmean(rows[s][n]["kl"] for s in seeds)
+        pooled[n] = {"kl": kl, "kl_reduction_pct": 100 * (1 - kl / stale) if stale > 0 else None,
+                     "recompute_pct": statistics.fmean(rows[s][n]["recompute_pct"] for s in seeds),
+                     "top1": statistics.fmean(rows[s][n]["top1"] for s in seeds),
+                     "min_seed_kl_reduction_pct": min(100 * (1 - rows[s][n]["kl"] / rows[s]["stale"]["kl"]) for s in seeds)}
+    return {"seeds": rows, "pooled": pooled, "decisions": decision_summary(decisions),
+            "prompts_per_seed": {s: prompts_of(args, s) for s in seeds}, "updates": args.updates, "target": args.target, "layer": args.layer,
+            "profile": str(args.profile), "scheduler": profile.scheduler.model_dump()}
+
+
+def decision_summary(decisions) -> dict:
+    """Per-layer refresh frequency (% of updates that recompute layer ℓ) and mean range end."""
+    out = {}  # frequencies: mean over seeds; refreshes and ends: pooled over trajectories
+    for seed, d in decisions.items():
+        r, n = d["restart"], d["num_layers"]
+        for name in ("scheduled", "eq9_fitted"):
+            ends = [e for prompt in d[name] for e in prompt]
+            freq = [100 * sum(1 for e in ends if e is not None and e > layer) / len(ends) for layer in range(r, n)]
+            agg = out.setdefault(name, {"freq": [0.0] * (n - r), "ends": [], "restart": r})
+            agg["freq"] = [a + f / len(decisions) for a, f in zip(agg["freq"], freq)]
+            agg["ends"] += [e for e in ends if e is not None]
+        same = sum(1 for a, b in zip(sum(d["scheduled"], []), sum(d["eq9_fitted"], [])) if a == b)
+        out.setdefault("same_decision_pct", []).append(100 * same / len(sum(d["scheduled"], [])))
+    for name in ("scheduled", "eq9_fitted"):
+        ends = out[name].pop("ends")
+        out[name]["refreshes_per_trajectory"] = len(ends) / sum(len(d[name]) for d in decisions.values())
+        out[name]["mean_end"] = statistics.fmean(ends) if ends else None
+        out[name]["full_suffix_share_pct"] = 100 * sum(1 for e in ends if e == next(iter(decisions.values()))["num_layers"]) / max(1, len(ends))
+    return out
+
+
+def markdown(r: dict) -> str:
+    seeds = list(r["seeds"])
+    counts = ", ".join(f"{n} for seed {s}" for s, n in r["prompts_per_seed"].items())
+    lines = [f"# Scheduler vs eq. 9, held-out exact replay ({counts}; {r['updates']} updates, target "
+             f"{r['target']}@{r['layer'] or 'N//2'})", "",
+             "| policy | " + " | ".join(f"seed {s}: KL red. % / layers %" for s in seeds)
+             + " | pooled KL | pooled KL red. % | pooled layers % | top-1 % | worst seed % |",
+             "|---|" + "---|" * (len(seeds) + 5)]
+    names = list(dict.fromkeys(n for s in seeds for n in r["seeds"][s]))
+    for n in names:
+        cells = [f"{100 * (1 - r['seeds'][s][n]['kl'] / r['seeds'][s]['stale']['kl']):.1f} / "
+                 f"{r['seeds'][s][n]['recompute_pct']:.2f}" if n in r["seeds"][s] else "–" for s in seeds]
+        p = r["pooled"].get(n)
+        tail = (f" | {p['kl']:.4f} | {p['kl_reduction_pct']:.2f} | {p['recompute_pct']:.2f} | {p['top1']:.1f} | "
+                f"{p['min_seed_kl_reduction_pct']:.1f} |") if p else " | – | – | – | – | – |"
+        lines.append(f"| {n} | " + " | ".join(cells) + tail)
+    d = r["decisions"]
+    lines += ["", "Where the decisions differ (pooled over seeds):", "",
+              f"- same range end as eq. 9 (fitted) in {statistics.fmean(d['same_decision_pct']):.1f} % of updates",
+              "| policy | refreshes / trajectory | mean end b | full-suffix share of refreshes % | "
+              "per-layer refresh frequency from r (% of updates) |", "|---|---|---|---|---|"]
+    for name in ("scheduled", "eq9_fitted"):
+        x = d[name]
+        lines.append(f"| {name} | {x['refreshes_per_trajectory']:.2f} | {x['mean_end'] or 0:.2f} | "
+                     f"{x['full_suffix_share_pct']:.1f} | {', '.join(f'{f:.1f}' for f in x['freq'])} |")
+    lines += ["", "oracle_*: the same budget account choosing by the exact KL of every candidate range "
+              "(in-sample reference, not a runtime policy)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(r: dict, path: Path) -> None:
+    from kvmemory.bench.common import agg_pyplot
+
+    plt = agg_pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    families = {"eq. 9 fitted δ (× α)": "eq9_fitted", "scheduler (budgets)": "scheduled"}
+    for label, prefix in families.items():
+        pts = sorted((p["recompute_pct"], p["kl_reduction_pct"]) for n, p in r["pooled"].items() if n.startswith(prefix))
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
+    others = [n for n in r["pooled"] if not n.startswith(("eq9_fitted", "scheduled", "stale"))]
+    for k, n in enumerate(others):
+        p = r["pooled"][n]
+        ax.scatter(p["recompute_pct"], p["kl_reduction_pct"], marker="s", color=f"C{k + 2}", label=n)
+    ax.axhline(95, color="gray", lw=0.8, ls="--")
+    ax.axvline(5, color="gray", lw=0.8, ls="--")
+    ax.set_xlabel("recomputed layers (% of N per update)")
+    ax.set_ylabel("KL reduction vs stale reuse (%)")
+    ax.set_ylim(bottom=max(0, min(p["kl_reduction_pct"] for p in r["pooled"].values() if p["kl_reduction_pct"]) - 5))
+    ax.legend(fontsize=7)
+    ax.set_title(f"Held-out frontier, {r['updates']} updates, {r['target']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
