@@ -95,7 +95,7 @@ def banks(w, args, split: str, seeds: list[int]):
 
 def run_fit(w, args) -> None:
     from kvmemory.reforge.profile import ReforgeProfile
-    from kvmemory.reforge.schedule_fit import fit_scheduler
+    from kvmemory_lab.reforge.schedule_fit import fit_scheduler
     from kvmemory.reforge.trajectory import PolicyReplay
     from kvmemory.reforge.workload import load_snapshot
 

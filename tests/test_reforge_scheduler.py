@@ -11,7 +11,7 @@ from kvmemory import kvcache
 from kvmemory.metrics import first_token_kl
 from kvmemory.reforge import ReforgeConfig, decide
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
-from kvmemory.reforge.schedule_fit import fit_tail_weights
+from kvmemory_lab.reforge.schedule_fit import fit_tail_weights
 from kvmemory.reforge.scheduler import BudgetAccount, SchedulerCalibration, schedule
 from kvmemory.session import KVSession
 from kvmemory.threads import CacheState, export_state, import_state

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .profile import ReforgeProfile
-from .scheduler import SchedulerCalibration
+from kvmemory.reforge.profile import ReforgeProfile
+from kvmemory.reforge.scheduler import SchedulerCalibration
 from .trajectory import PolicyReplay, ReplayPolicy
 
 PRICES = (0.0, 1e-3, 3e-3, 1e-2)  # KL per recomputed layer
