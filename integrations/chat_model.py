@@ -19,6 +19,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from operator import itemgetter
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
@@ -38,13 +39,15 @@ import torch
 
 from kvmemory.guard import FidelityGuard, GuardConfig
 from kvmemory.errors import InputError, InputTypeError, MessageError
-from kvmemory.models import LoadedModel, load_model
+from kvmemory.models import LoadedModel, embedded_model_dir, load_model
 from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import normalize_messages, render_text
 from kvmemory.threads import ThreadCaches
 
-from .constrained import Grammars, processor
+from .constrained import Grammars, processor, response_schema
 from .messages import session_message, to_session_messages
+from .options import fold_aliases, normalize_device, normalize_dtype, reject_unknown
+from .sampling import LogprobRecorder, Sampling
 from .tool_calls import CALL_OPEN, split_calls, template_renders_tools
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,11 @@ REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_token
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+# keyword arguments a call accepts besides the sampling settings (LangChain passes the ls_* and
+# strict ones; decoding under a grammar is always schema-exact, so strict needs nothing more)
+CALL_KEYS = frozenset({"max_tokens", "seed", "timeout", "repair_policy", "erase", "thread_id", "model", "tools",
+                       "tool_choice", "parallel_tool_calls", "response_format", "ls_structured_output_format",
+                       "strict"})
 RESERVE_SLACK = 16  # rows a call may hold beyond prompt + answer (end-of-turn markers of a committed answer)
 
 
@@ -78,17 +86,29 @@ class _Runtime:
 
 
 _GRAMMARS: "weakref.WeakKeyDictionary[Any, dict[int, Grammars]]" = weakref.WeakKeyDictionary()
-_RUNTIMES: dict[tuple[str, str], _Runtime] = {}
+_RUNTIMES: dict[tuple[str, str, str], _Runtime] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 
-def _runtime(model: str, dtype: str) -> _Runtime:
+def _runtime(model: str, dtype: str, device: str = "cpu") -> _Runtime:
     with _RUNTIMES_LOCK:
-        key = (model, dtype)
+        key = (model, dtype, device)
         if key not in _RUNTIMES:
             loaded = load_model(None if model in ("smollm2", "") else model, dtype)
+            if device != "cpu":
+                loaded.model.to(device)
             _RUNTIMES[key] = _Runtime(loaded, template_renders_tools(loaded.tokenizer))
         return _RUNTIMES[key]
+
+
+def _model_folder(model: str) -> Path:
+    """The folder a model name loads from (the embedded model: its converted cache folder)."""
+    return embedded_model_dir() if model in ("smollm2", "") else Path(model).expanduser()
+
+
+def _display_name(model: str) -> str:
+    """The name ``load_model`` gives the model (response_metadata["model_name"])."""
+    return EMBEDDED_NAME if model in ("smollm2", "") else Path(model).expanduser().name
 
 
 class ChatKVMemory(BaseChatModel):
@@ -103,10 +123,23 @@ class ChatKVMemory(BaseChatModel):
         ```
 
     Standard params: ``model`` (``"smollm2"`` = the embedded SmolLM2-135M-Instruct, a local
-    model folder, or a :class:`kvmemory.LoadedModel` that this instance alone runs), ``temperature`` (0 = greedy), ``max_tokens``, ``stop``, ``timeout`` (seconds of
-    decoding; the answer so far is returned with finish_reason ``"timeout"``), ``max_retries``
-    (accepted for compatibility: local decoding has no transient failures to retry),
-    ``streaming``.
+    model folder, or a :class:`kvmemory.LoadedModel` that this instance alone runs; alias
+    ``model_name``), ``temperature`` (0 = greedy), ``max_tokens`` (alias ``max_new_tokens``),
+    ``stop``, ``timeout`` (seconds of decoding; the answer so far is returned with finish_reason
+    ``"timeout"``), ``max_retries`` (accepted for compatibility: local decoding has no transient
+    failures to retry), ``streaming``, ``seed``.
+
+    Sampling (transformers logits processors, see :mod:`langchain_kvmemory.sampling`): ``top_p``,
+    ``top_k``, ``min_p``, ``repetition_penalty`` (transformers' semantics: the whole context),
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's: the answer so far), ``logprobs`` /
+    ``top_logprobs`` (``response_metadata["logprobs"]["content"]``). All may also be given per
+    call or through ``model_kwargs``. Unknown settings raise an InputError naming the accepted ones.
+
+    Loading: ``dtype`` (alias ``torch_dtype``; ``"fp32"``/``"float32"``/``torch.float32``,
+    ``"bf16"``/``"bfloat16"``/``torch.bfloat16``, ``"auto"`` = bf16 on CUDA, fp32 on CPU),
+    ``device`` (alias ``device_map``; ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"auto"`` = CUDA when
+    present). ``model_name`` (read-only after construction) is the name in
+    ``response_metadata["model_name"]`` and LangSmith's ``ls_model_name``.
 
     kvmemory params: ``repair_policy`` (label such as ``"sur@5"``, ``"shift"``, ``"replay"``,
     ``"reprefill"``; per call: ``invoke(..., repair_policy="sur@2")``), ``memory_budget_bytes``
@@ -128,6 +161,7 @@ class ChatKVMemory(BaseChatModel):
 
     model: str = "smollm2"
     dtype: Literal["fp32", "bf16"] = "fp32"
+    device: str = "cpu"
     temperature: float = 0.0
     max_tokens: int = 256
     stop: list[str] | None = None
@@ -135,6 +169,14 @@ class ChatKVMemory(BaseChatModel):
     max_retries: int = 0
     streaming: bool = False
     seed: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     repair_policy: str = "sur@5"
     memory_budget_bytes: int | None = Field(default=1 << 30, ge=0)
     default_thread_id: str = "default"
@@ -157,23 +199,51 @@ class ChatKVMemory(BaseChatModel):
             ValueError (pydantic ValidationError): ``dtype`` given and different from the
                 LoadedModel's.
         """
+        kwargs = fold_aliases(kwargs, "ChatKVMemory(...)")
         loaded = kwargs.get("model")
         if isinstance(loaded, LoadedModel):
             dtype = "bf16" if loaded.dtype == torch.bfloat16 else "fp32"
-            if kwargs.get("dtype", dtype) != dtype:
+            if normalize_dtype(kwargs.get("dtype", dtype)) not in (dtype, "auto"):
                 raise ValueError(f"dtype={kwargs['dtype']!r} but the LoadedModel runs in {dtype}: "
                                  "omit dtype, or load the model with load_model(..., dtype=...)")
+            device = str(next(loaded.model.parameters()).device)
+            device = "cuda:0" if device == "cuda" else device
+            if "device" in kwargs and normalize_device(kwargs["device"]) != device:
+                raise ValueError(f"device={kwargs['device']!r} but the LoadedModel lies on {device}: "
+                                 "omit device, or move the model first (loaded.model.to(...))")
             kwargs = {**kwargs, "model": "smollm2" if loaded.name == EMBEDDED_NAME else str(loaded.path),
-                      "dtype": dtype}
+                      "dtype": dtype, "device": device}
         super().__init__(**kwargs)
         if isinstance(loaded, LoadedModel):
             self._pinned = _Runtime(loaded, template_renders_tools(loaded.tokenizer))
+            if "profile" not in kwargs:  # resolved during validation, before the model was pinned
+                self.profile = self._resolve_model_profile()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_settings(cls, values: Any) -> Any:
+        # unknown keys raise (pydantic would drop them); aliases and model_kwargs fold into fields
+        if not isinstance(values, dict):
+            return values
+        values = fold_aliases(values, "ChatKVMemory(...)")
+        reject_unknown(values, cls.model_fields, "ChatKVMemory(...)")
+        if "dtype" in values or "device" in values:
+            device = normalize_device(values.get("device"))
+            dtype = normalize_dtype(values.get("dtype", "fp32"))
+            values = {**values, "device": device,
+                      "dtype": ("bf16" if device.startswith("cuda") else "fp32") if dtype == "auto" else dtype}
+        return values
 
     @model_validator(mode="after")
     def _check_settings(self) -> "ChatKVMemory":
         # bad settings fail at construction, naming the fix (pydantic wraps them in a ValidationError)
         _check_call_settings(self.repair_policy, self.max_tokens, self.temperature, self.timeout)
+        self._sampling({})
         return self
+
+    def _sampling(self, kwargs: dict[str, Any]) -> Sampling:
+        """The call's sampling settings: per-call values over the instance's (checked)."""
+        return Sampling(**{name: kwargs.get(name, getattr(self, name)) for name in Sampling.names()})
 
     # ------------------------------------------------------------ identity
     @property
@@ -181,13 +251,25 @@ class ChatKVMemory(BaseChatModel):
         return "kvmemory"
 
     @property
+    def model_name(self) -> str:
+        """The model's name as ``response_metadata["model_name"]`` and ``ls_model_name`` give it:
+        ``"SmolLM2-135M-Instruct"`` for the embedded model, a folder's name, a LoadedModel's name."""
+        return self._name_of(self.model)
+
+    def _name_of(self, model: str) -> str:
+        if self._pinned is not None and model == self.model:
+            return self._pinned.loaded.name
+        return _display_name(model)
+
+    @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "dtype": self.dtype, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "repair_policy": self.repair_policy}
+        return {"model": self.model, "dtype": self.dtype, "device": self.device, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "repair_policy": self.repair_policy,
+                **{name: getattr(self, name) for name in Sampling.names() if getattr(self, name) is not None}}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params = super()._get_ls_params(stop=stop, **kwargs)
-        params.update(ls_provider="kvmemory", ls_model_name=kwargs.get("model", self.model),
+        params.update(ls_provider="kvmemory", ls_model_name=self._name_of(kwargs.get("model") or self.model),
                       ls_temperature=kwargs.get("temperature", self.temperature),
                       ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
         if stop or self.stop:
@@ -195,10 +277,39 @@ class ChatKVMemory(BaseChatModel):
         return params
 
     def _resolve_model_profile(self):
-        return {"max_input_tokens": 8192 if self.model == "smollm2" else None, "text_inputs": True,
-                "image_inputs": False, "audio_inputs": False, "pdf_inputs": False, "video_inputs": False,
-                "text_outputs": True, "tool_calling": True, "tool_choice": True, "structured_output": True,
-                "tool_call_streaming": True, "open_weights": True}
+        """Capabilities, with the context length from the model's config (``max_position_embeddings``
+        of its text config): the loaded model's when pinned, else the folder's ``config.json``
+        (the embedded model: its converted cache folder, converting it on first use)."""
+        if self._pinned is not None:
+            config = self._pinned.loaded.model.config
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(_model_folder(self.model))
+        context = getattr(config.get_text_config(), "max_position_embeddings", None)
+        return {"name": self.model_name, "max_input_tokens": context, "max_output_tokens": context,
+                "text_inputs": True, "image_inputs": False, "audio_inputs": False, "pdf_inputs": False,
+                "video_inputs": False, "text_outputs": True, "tool_calling": True, "tool_choice": True,
+                "structured_output": True, "tool_call_streaming": True, "temperature": True, "open_weights": True}
+
+    # ------------------------------------------------------------- tokens
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the model's tokenizer (no special tokens added)."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return self._runtime_of(self.model).loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Tokens of the prompt the model reads for ``messages``: rendered by its chat template
+        (with the default system prompt the template adds, the tools block when ``tools`` are
+        given and the assistant-turn opener), as a call with these messages would prefill.
+
+        Raises:
+            UnsupportedContentError: non-text content; InputError: a tool LangChain cannot convert.
+        """
+        runtime = self._runtime_of(self.model)
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        return _prompt_tokens(runtime, to_session_messages(messages, runtime.template_tools), formatted)
 
     # ------------------------------------------------------------- threads
     def _runtime_of(self, name: str) -> _Runtime:
@@ -206,7 +317,7 @@ class ChatKVMemory(BaseChatModel):
         else the process-wide one kvmemory loaded from that name or folder."""
         if self._pinned is not None and name == self.model:
             return self._pinned
-        return _runtime(name, self.dtype)
+        return _runtime(name, self.dtype, self.device)
 
     def threads_for(self, model: str | None = None) -> ThreadCaches:
         """The live-cache registry of ``model`` (default: this instance's model), loading it."""
@@ -313,17 +424,23 @@ class ChatKVMemory(BaseChatModel):
         if not messages:
             raise MessageError("no messages: pass at least one message (e.g. a HumanMessage)")
         # per-call settings are checked before the thread's session is touched (it stays as it was)
+        kwargs = fold_aliases(kwargs, "call keyword arguments")
+        reject_unknown(kwargs, CALL_KEYS | set(Sampling.names()), "call keyword arguments")
         _check_call_settings(kwargs.get("repair_policy"), kwargs.get("max_tokens"), kwargs.get("temperature"),
                              kwargs.get("timeout"))
+        sampling = self._sampling(kwargs)
         model_name = kwargs.get("model") or self.model
         runtime = self._runtime_of(model_name)
         tools = kwargs.get("tools") or None
         choice = _tool_choice(kwargs.get("tool_choice"), tools)
-        if choice == "auto" and self.auto_tool_calls == "after_user" and isinstance(messages[-1], HumanMessage):
-            choice = "required"
-        grammar = self._grammar(runtime, tools, choice, kwargs.get("response_format"))
-        response_format = kwargs.get("response_format") or {}
-        session_messages = to_session_messages(messages, runtime.template_tools, response_format.get("schema"))
+        requested = response_schema(kwargs.get("response_format"))
+        schema = requested[1] if requested else None
+        if choice == "auto" and self.auto_tool_calls == "after_user":
+            # the ReAct policy: a call after a user turn; after a tool result, the answer (JSON when asked)
+            choice = "required" if isinstance(messages[-1], HumanMessage) else ("none" if requested else "auto")
+        parallel = kwargs.get("parallel_tool_calls", True) is not False
+        grammar = self._grammar(runtime, tools, choice, requested, parallel)
+        session_messages = to_session_messages(messages, runtime.template_tools, schema)
         stops = [s for s in (stop if stop is not None else self.stop) or [] if s]
         max_tokens = int(kwargs.get("max_tokens") or self.max_tokens)
         timeout = kwargs.get("timeout", self.timeout)
@@ -343,9 +460,14 @@ class ChatKVMemory(BaseChatModel):
             erased = _erase_everywhere(registry, thread_id, session, report)
             if guard is not None:
                 guard.observe(thread_id, session, report)
-            tokens = session.stream_tokens(max_tokens, temperature=float(kwargs.get("temperature", self.temperature)),
-                                           seed=kwargs.get("seed", self.seed),
-                                           logits_processor=processor(grammar) if grammar is not None else None)
+            processors = sampling.processors(processor(grammar) if grammar is not None else None,
+                                             len(session.token_ids))
+            recorder = None
+            if sampling.logprobs:
+                recorder = LogprobRecorder(runtime.loaded.tokenizer, sampling.top_logprobs or 0)
+                processors.append(recorder)
+            tokens = session.stream_tokens(max_tokens, temperature=sampling.pick_temperature,
+                                           seed=kwargs.get("seed", self.seed), logits_processor=processors or None)
             watcher = _TextWatcher(runtime.loaded.tokenizer, stops, watch_calls=bool(tools) and choice != "none")
             t0, reason = time.perf_counter(), "length"
             try:
@@ -366,6 +488,8 @@ class ChatKVMemory(BaseChatModel):
                 tokens.close()
             decode_ms = (time.perf_counter() - t0) * 1000.0
             result = self._result(watcher, report, reason, runtime, thread_id, decode_ms)
+            if recorder is not None:
+                result["metadata"]["logprobs"] = {"content": recorder.entries(watcher.ids)}
             if erased is not None:
                 result["metadata"]["erase"] = erased
             if guard is not None:
@@ -378,12 +502,15 @@ class ChatKVMemory(BaseChatModel):
             yield "text", tail
         yield "end", result
 
-    def _grammar(self, runtime: _Runtime, tools, choice: str | None, response_format: dict | None):
-        if response_format is not None:
-            schema = response_format.get("schema")
-            return runtime.grammars.json_schema(schema) if schema else runtime.grammars.json_object()
+    def _grammar(self, runtime: _Runtime, tools, choice: str | None, requested: tuple | None, parallel: bool):
+        """The grammar of the answer: tool calls under ``choice`` (with the answer's JSON schema
+        when one is requested too), else the requested JSON, else None (free text)."""
+        schema = requested[1] if requested else None
         if tools and choice is not None:
-            return runtime.grammars.tool_calls(tools, choice)
+            answer = schema if schema is not None else ({"type": "object"} if requested else None)
+            return runtime.grammars.tool_calls(tools, choice, parallel=parallel, answer_schema=answer)
+        if requested is not None:
+            return runtime.grammars.json_schema(schema) if schema is not None else runtime.grammars.json_object()
         return None
 
     def _result(self, watcher: "_TextWatcher", report, reason: str, runtime: _Runtime, thread_id: str,
@@ -396,7 +523,7 @@ class ChatKVMemory(BaseChatModel):
                  "total_tokens": report.prompt_tokens + watcher.count,
                  "input_token_details": {"cache_read": report.reused_tokens}}
         metadata = {
-            "model_name": runtime.loaded.name,
+            "model_name": runtime.loaded.name,  # = self.model_name and ls_model_name
             "model_provider": "kvmemory",
             "finish_reason": "tool_calls" if calls else reason,
             "thread_id": thread_id,

@@ -20,8 +20,11 @@ from xgrammar.structural_tag import (
     OrFormat,
     StructuralTag,
     TagFormat,
+    TagsWithSeparatorFormat,
     TriggeredTagsFormat,
 )
+
+from kvmemory.errors import InputError, InputTypeError
 
 from .tool_calls import CALL_CLOSE, CALL_OPEN
 
@@ -46,30 +49,39 @@ class Grammars:
         self._compiler = xgr.GrammarCompiler(info)
         self._lock = threading.Lock()  # compile calls from several worker threads
 
-    def tool_calls(self, tools: list[dict[str, Any]], choice: str) -> xgr.CompiledGrammar:
+    def tool_calls(self, tools: list[dict[str, Any]], choice: str, *, parallel: bool = True,
+                   answer_schema: dict[str, Any] | None = None) -> xgr.CompiledGrammar:
         """Grammar for an answer under ``tool_choice``.
 
         Args:
             tools: OpenAI-format function tools.
             choice: ``"auto"`` (free text; once the model writes ``<tool_call>`` the call must be
-                valid JSON for one of the tools), ``"required"`` (exactly one call to any tool,
+                valid JSON for one of the tools), ``"required"`` (one or more calls to any tool,
                 nothing else), ``"none"`` (text that never opens a tool call) or a tool name
-                (exactly one call to that tool).
+                (calls of that tool only).
+            parallel: several calls in one answer (separated by a newline); False = at most one.
+            answer_schema: the JSON schema a text answer must follow (structured output). Under
+                ``"auto"`` the answer is then either tool calls or one JSON value for the schema;
+                under ``"none"`` only the JSON value.
 
         Raises:
             ValueError: an unknown tool name, or no tools for a required/named choice.
         """
         tags = {t["function"]["name"]: _call_tag(t["function"]) for t in tools}
+        answer = (JSONSchemaFormat(json_schema=capped_strings(answer_schema), max_whitespace_cnt=MAX_JSON_WHITESPACE)
+                  if answer_schema is not None else None)
         if choice == "none":
-            fmt: Any = AnyTextFormat(excludes=[CALL_OPEN])
+            fmt: Any = answer if answer is not None else AnyTextFormat(excludes=[CALL_OPEN])
+        elif choice == "auto" and answer is None:
+            fmt = TriggeredTagsFormat(triggers=[CALL_OPEN], tags=list(tags.values()), stop_after_first=not parallel)
         elif choice == "auto":
-            fmt = TriggeredTagsFormat(triggers=[CALL_OPEN], tags=list(tags.values()), stop_after_first=True)
+            fmt = OrFormat(elements=[_calls(list(tags.values()), parallel), answer])
         elif choice == "required":
             if not tags:
                 raise ValueError("tool_choice requires a tool call but no tools are bound: pass tools to bind_tools")
-            fmt = OrFormat(elements=list(tags.values())) if len(tags) > 1 else next(iter(tags.values()))
+            fmt = _calls(list(tags.values()), parallel)
         elif choice in tags:
-            fmt = tags[choice]
+            fmt = _calls([tags[choice]], parallel)
         else:
             raise ValueError(f"tool_choice names {choice!r}, which is not a bound tool: use one of "
                              f"{', '.join(tags) or '(no tools bound)'}, 'auto', 'any' or 'none'")
@@ -88,6 +100,13 @@ class Grammars:
     def _compile(self, build):
         with self._lock:
             return build()
+
+
+def _calls(tags: list[TagFormat], parallel: bool) -> Any:
+    """One call (or, when ``parallel``, one or more newline-separated calls) of the ``tags``."""
+    if parallel:
+        return TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True)
+    return OrFormat(elements=tags) if len(tags) > 1 else tags[0]
 
 
 def _call_tag(function: dict[str, Any]) -> TagFormat:
@@ -113,6 +132,45 @@ def capped_strings(schema: Any) -> Any:
     ):
         out["maxLength"] = MAX_FREE_STRING_CHARS
     return out
+
+
+def response_schema(response_format: Any) -> tuple[str, dict[str, Any] | None] | None:
+    """What a ``response_format`` asks for: ``("json_schema", schema)``, ``("json_object", None)``
+    (any JSON object) or None (plain text).
+
+    Accepts the forms LangChain and OpenAI-style callers pass: a pydantic class or TypedDict, a
+    JSON schema dict, ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``
+    (OpenAI; what ``create_agent``'s ProviderStrategy binds), ``{"type": "json_schema",
+    "schema": ...}``, ``{"type": "json_object"}`` and ``{"type": "text"}``.
+
+    Raises:
+        InputError: a json_schema request without a schema. InputTypeError: another type.
+    """
+    from langchain_core.utils.function_calling import convert_to_json_schema
+
+    if response_format is None:
+        return None
+    if isinstance(response_format, type):
+        return "json_schema", convert_to_json_schema(response_format)
+    if not isinstance(response_format, dict):
+        raise InputTypeError(f"response_format must be a pydantic class, a TypedDict, a JSON schema dict or "
+                             f"{{'type': 'json_schema', 'json_schema': {{'schema': ...}}}} (got {type(response_format).__name__})")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else response_format.get("schema")
+        if not isinstance(schema, dict):
+            raise InputError("response_format type 'json_schema' without a schema: pass "
+                             "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+        return "json_schema", schema
+    if kind in ("json_object", "json_mode"):
+        schema = response_format.get("schema")
+        return ("json_schema", schema) if isinstance(schema, dict) else ("json_object", None)
+    if isinstance(response_format.get("parameters"), dict) and "name" in response_format:
+        return "json_schema", response_format["parameters"]  # a function schema
+    return "json_schema", response_format  # a JSON schema
 
 
 def processor(grammar: xgr.CompiledGrammar) -> LogitsProcessor:
