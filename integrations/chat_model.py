@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -44,11 +44,12 @@ from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import normalize_messages, render_text
 from kvmemory.threads import ThreadCaches
 
-from .constrained import Grammars, processor, response_schema
+from .constrained import AnswerBudget, BudgetSpent, Grammars, processor, response_schema
 from .messages import session_message, to_session_messages
 from .options import fold_aliases, normalize_device, normalize_dtype, reject_unknown
 from .sampling import LogprobRecorder, Sampling
-from .tool_calls import CALL_OPEN, split_calls, template_renders_tools
+from .tool_calls import CALL_OPEN, CallStream, split_calls, template_renders_tools
+from .tool_policy import DEFAULT_MARGIN, scored_choice
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ CALL_KEYS = frozenset({"max_tokens", "seed", "timeout", "repair_policy", "erase"
                        "tool_choice", "parallel_tool_calls", "response_format", "ls_structured_output_format",
                        "strict"})
 RESERVE_SLACK = 16  # rows a call may hold beyond prompt + answer (end-of-turn markers of a committed answer)
+# grammar-fixed tokens a constrained answer may add beyond max_tokens (call wrappers, forced names)
+FIXED_TOKEN_ALLOWANCE = 128
 
 
 @dataclass
@@ -106,6 +109,15 @@ def _model_folder(model: str) -> Path:
     return embedded_model_dir() if model in ("smollm2", "") else Path(model).expanduser()
 
 
+def _profile(config, name: str) -> dict[str, Any]:
+    """The LangChain model profile of a model with this transformers ``config``."""
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return {"name": name, "max_input_tokens": context, "max_output_tokens": context,
+            "text_inputs": True, "image_inputs": False, "audio_inputs": False, "pdf_inputs": False,
+            "video_inputs": False, "text_outputs": True, "tool_calling": True, "tool_choice": True,
+            "structured_output": True, "tool_call_streaming": True, "temperature": True, "open_weights": True}
+
+
 def _display_name(model: str) -> str:
     """The name ``load_model`` gives the model (response_metadata["model_name"])."""
     return EMBEDDED_NAME if model in ("smollm2", "") else Path(model).expanduser().name
@@ -146,7 +158,13 @@ class ChatKVMemory(BaseChatModel):
     (K/V bytes of all live threads), ``default_thread_id`` (used when the run config has none),
     ``auto_tool_calls`` (``"model"``: under ``tool_choice="auto"`` the model decides; ``"after_user"``:
     a tool call is required when the last message is from the user and text is free otherwise, a
-    ReAct-loop policy for models too small to decide, such as the embedded one).
+    ReAct-loop policy for models too small to decide, such as the embedded one; ``"scored"``: as
+    ``"after_user"`` on the first user turn, but a later user turn calls only when the model's own
+    log-probability of opening a call is within ``call_margin`` nats of its favourite first token
+    (:mod:`langchain_kvmemory.tool_policy`), so "thanks, summarise" gets text).
+    ``parallel_tool_calls`` (per call / bind, default True): several calls in one answer; False:
+    at most one. ``max_tokens`` counts the tokens the model chooses: tokens the grammar fixes
+    (call wrappers, a forced name) are not charged (``response_metadata["grammar_fixed_tokens"]``).
 
     ``erase`` (``"none"`` or ``"strict"``; per call: ``invoke(..., erase="strict")``): under strict
     erase, a call whose messages delete or replace a message the thread's cache holds recomputes
@@ -180,7 +198,9 @@ class ChatKVMemory(BaseChatModel):
     repair_policy: str = "sur@5"
     memory_budget_bytes: int | None = Field(default=1 << 30, ge=0)
     default_thread_id: str = "default"
-    auto_tool_calls: Literal["model", "after_user"] = "model"
+    auto_tool_calls: Literal["model", "after_user", "scored"] = "model"
+    call_margin: float = Field(default=DEFAULT_MARGIN, ge=0)
+    parallel_tool_calls: bool = True
     erase: Literal["none", "strict"] = "none"
     guard: GuardConfig | None = None
 
@@ -213,11 +233,10 @@ class ChatKVMemory(BaseChatModel):
                                  "omit device, or move the model first (loaded.model.to(...))")
             kwargs = {**kwargs, "model": "smollm2" if loaded.name == EMBEDDED_NAME else str(loaded.path),
                       "dtype": dtype, "device": device}
+            kwargs.setdefault("profile", _profile(loaded.model.config, loaded.name))  # not from a folder
         super().__init__(**kwargs)
         if isinstance(loaded, LoadedModel):
             self._pinned = _Runtime(loaded, template_renders_tools(loaded.tokenizer))
-            if "profile" not in kwargs:  # resolved during validation, before the model was pinned
-                self.profile = self._resolve_model_profile()
 
     @model_validator(mode="before")
     @classmethod
@@ -281,16 +300,13 @@ class ChatKVMemory(BaseChatModel):
         of its text config): the loaded model's when pinned, else the folder's ``config.json``
         (the embedded model: its converted cache folder, converting it on first use)."""
         if self._pinned is not None:
-            config = self._pinned.loaded.model.config
-        else:
-            from transformers import AutoConfig
+            return _profile(self._pinned.loaded.model.config, self.model_name)
+        folder = _model_folder(self.model)
+        if not (folder / "config.json").is_file():
+            return None  # loading names the missing folder and the fix
+        from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(_model_folder(self.model))
-        context = getattr(config.get_text_config(), "max_position_embeddings", None)
-        return {"name": self.model_name, "max_input_tokens": context, "max_output_tokens": context,
-                "text_inputs": True, "image_inputs": False, "audio_inputs": False, "pdf_inputs": False,
-                "video_inputs": False, "text_outputs": True, "tool_calling": True, "tool_choice": True,
-                "structured_output": True, "tool_call_streaming": True, "temperature": True, "open_weights": True}
+        return _profile(AutoConfig.from_pretrained(folder, local_files_only=True), self.model_name)
 
     # ------------------------------------------------------------- tokens
     def get_token_ids(self, text: str) -> list[int]:
@@ -390,7 +406,7 @@ class ChatKVMemory(BaseChatModel):
                 text += value
                 if run_manager:
                     run_manager.on_llm_new_token(value)
-            else:
+            elif kind == "end":
                 end = value
         message = AIMessage(id=message_id, content=end["content"], tool_calls=end["tool_calls"],
                             invalid_tool_calls=end["invalid_tool_calls"], usage_metadata=end["usage"],
@@ -407,11 +423,19 @@ class ChatKVMemory(BaseChatModel):
                     run_manager.on_llm_new_token(value, chunk=chunk)
                 yield chunk
                 continue
-            calls = [{"name": c["name"], "args": _json(c["args"]), "id": c["id"], "index": i, "type": "tool_call_chunk"}
-                     for i, c in enumerate(value["tool_calls"])]
-            n = len(calls)
-            calls += [{"name": c["name"], "args": c["args"], "id": c["id"], "index": n + i, "type": "tool_call_chunk"}
-                      for i, c in enumerate(value["invalid_tool_calls"])]
+            if kind == "call":
+                chunk = ChatGenerationChunk(message=AIMessageChunk(id=message_id, content="", tool_call_chunks=[value]))
+                if run_manager:
+                    run_manager.on_llm_new_token("", chunk=chunk)
+                yield chunk
+                continue
+            # calls whose chunks were not streamed (a head cut short) come whole with the last chunk
+            streamed, calls = value["streamed_calls"], []
+            for c in value["tool_calls"] + value["invalid_tool_calls"]:
+                if c["id"] not in streamed:
+                    args = _json(c["args"]) if c["type"] == "tool_call" else c["args"]
+                    calls.append({"name": c["name"], "args": args, "id": c["id"], "index": len(streamed) + len(calls),
+                                  "type": "tool_call_chunk"})
             last = AIMessageChunk(id=message_id, content="", tool_call_chunks=calls, usage_metadata=value["usage"],
                                   response_metadata=value["metadata"], chunk_position="last")
             yield ChatGenerationChunk(message=last, generation_info={"finish_reason": value["metadata"]["finish_reason"]})
@@ -435,11 +459,15 @@ class ChatKVMemory(BaseChatModel):
         choice = _tool_choice(kwargs.get("tool_choice"), tools)
         requested = response_schema(kwargs.get("response_format"))
         schema = requested[1] if requested else None
-        if choice == "auto" and self.auto_tool_calls == "after_user":
+        if choice == "auto" and self.auto_tool_calls in ("after_user", "scored"):
             # the ReAct policy: a call after a user turn; after a tool result, the answer (JSON when asked)
             choice = "required" if isinstance(messages[-1], HumanMessage) else ("none" if requested else "auto")
-        parallel = kwargs.get("parallel_tool_calls", True) is not False
-        grammar = self._grammar(runtime, tools, choice, requested, parallel)
+            # scored: a user turn after a tool round calls only when the model rates a call likely
+            scored = self.auto_tool_calls == "scored" and choice == "required"
+        else:
+            scored = False
+        parallel = bool(kwargs.get("parallel_tool_calls", self.parallel_tool_calls))
+        grammar = None if scored else self._grammar(runtime, tools, choice, requested, parallel)
         session_messages = to_session_messages(messages, runtime.template_tools, schema)
         stops = [s for s in (stop if stop is not None else self.stop) or [] if s]
         max_tokens = int(kwargs.get("max_tokens") or self.max_tokens)
@@ -448,7 +476,8 @@ class ChatKVMemory(BaseChatModel):
         if run_manager is not None and (run_manager.metadata or {}).get("lc_source") == "summarization":
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
         registry = self.threads_for(model_name)
-        reserve = (_prompt_tokens(runtime, session_messages, tools) + max_tokens + RESERVE_SLACK
+        fixed_allowance = FIXED_TOKEN_ALLOWANCE if (tools or requested) else 0
+        reserve = (_prompt_tokens(runtime, session_messages, tools) + max_tokens + fixed_allowance + RESERVE_SLACK
                    if registry.memory_budget_bytes is not None else 0)
         with registry.lease(thread_id, reserve_tokens=reserve) as session:
             session.tools = tools  # the session renders them: through the template or folded (kvmemory.prompt)
@@ -460,21 +489,29 @@ class ChatKVMemory(BaseChatModel):
             erased = _erase_everywhere(registry, thread_id, session, report)
             if guard is not None:
                 guard.observe(thread_id, session, report)
-            processors = sampling.processors(processor(grammar) if grammar is not None else None,
-                                             len(session.token_ids))
+            gap = None
+            if scored:
+                had_results = any(isinstance(m, ToolMessage) for m in messages)
+                choice, gap = scored_choice(session, had_results, self.call_margin)
+                grammar = self._grammar(runtime, tools, choice, requested, parallel)
+            constrain = processor(grammar) if grammar is not None else None
+            budget = AnswerBudget(max_tokens, constrain)  # grammar-fixed tokens are not charged
+            processors = sampling.processors([constrain, budget], len(session.token_ids))
             recorder = None
             if sampling.logprobs:
                 recorder = LogprobRecorder(runtime.loaded.tokenizer, sampling.top_logprobs or 0)
                 processors.append(recorder)
-            tokens = session.stream_tokens(max_tokens, temperature=sampling.pick_temperature,
+            tokens = session.stream_tokens(max_tokens + fixed_allowance, temperature=sampling.pick_temperature,
                                            seed=kwargs.get("seed", self.seed), logits_processor=processors or None)
             watcher = _TextWatcher(runtime.loaded.tokenizer, stops, watch_calls=bool(tools) and choice != "none")
             t0, reason = time.perf_counter(), "length"
             try:
-                for token in tokens:
+                for token in _until_spent(tokens):
                     delta = watcher.add(token)
                     if delta:
                         yield "text", delta
+                    for chunk in watcher.call_chunks():
+                        yield "call", chunk
                     if watcher.stopped:
                         reason = "stop"
                         break
@@ -488,6 +525,10 @@ class ChatKVMemory(BaseChatModel):
                 tokens.close()
             decode_ms = (time.perf_counter() - t0) * 1000.0
             result = self._result(watcher, report, reason, runtime, thread_id, decode_ms)
+            result["metadata"]["grammar_fixed_tokens"] = budget.fixed(watcher.count)
+            if scored:
+                result["metadata"]["tool_policy"] = {"policy": "scored", "choice": choice, "call_gap_nats": gap,
+                                                     "margin_nats": self.call_margin}
             if recorder is not None:
                 result["metadata"]["logprobs"] = {"content": recorder.entries(watcher.ids)}
             if erased is not None:
@@ -516,7 +557,7 @@ class ChatKVMemory(BaseChatModel):
     def _result(self, watcher: "_TextWatcher", report, reason: str, runtime: _Runtime, thread_id: str,
                 decode_ms: float) -> dict[str, Any]:
         if watcher.watch_calls and CALL_OPEN in watcher.text:
-            content, calls, invalid = split_calls(watcher.text)
+            content, calls, invalid = split_calls(watcher.text, watcher.calls.ids)
         else:
             content, calls, invalid = watcher.text, [], []
         usage = {"input_tokens": report.prompt_tokens, "output_tokens": watcher.count,
@@ -531,7 +572,7 @@ class ChatKVMemory(BaseChatModel):
             "decode_ms": decode_ms,
         }
         return {"content": content, "tool_calls": calls, "invalid_tool_calls": invalid, "usage": usage,
-                "metadata": metadata}
+                "metadata": metadata, "streamed_calls": set(watcher.calls.ids)}
 
     # ------------------------------------------------------- tools, schema
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
@@ -613,6 +654,7 @@ class _TextWatcher:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.calls = CallStream()
 
     @property
     def count(self) -> int:
@@ -630,6 +672,12 @@ class _TextWatcher:
         if self.stopped:
             return ""
         return self._release(self._safe_end(text))
+
+    def call_chunks(self) -> list[dict[str, Any]]:
+        """Tool-call chunks the last token completed (see :class:`CallStream`)."""
+        if not self.watch_calls or CALL_OPEN not in self.text:
+            return []
+        return self.calls.update(self.text)
 
     def _safe_end(self, text: str) -> int:
         end = len(text) - (1 if text.endswith("\ufffd") else 0)  # an incomplete UTF-8 character
@@ -730,6 +778,14 @@ def _prompt_tokens(runtime: _Runtime, session_messages, tools) -> int:
     tokenizer = runtime.loaded.tokenizer
     text = render_text(tokenizer, normalize_messages(session_messages), tools=tools)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _until_spent(tokens: Iterator[int]) -> Iterator[int]:
+    """``tokens`` until the answer budget is spent (AnswerBudget raises before the pick)."""
+    try:
+        yield from tokens
+    except BudgetSpent:
+        return
 
 
 def _with_thread(config, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,8 @@ import json
 import threading
 from typing import Any
 
+import torch
+import transformers
 import xgrammar as xgr
 from xgrammar.contrib.hf import LogitsProcessor
 from xgrammar.structural_tag import (
@@ -176,3 +178,44 @@ def response_schema(response_format: Any) -> tuple[str, dict[str, Any] | None] |
 def processor(grammar: xgr.CompiledGrammar) -> LogitsProcessor:
     """A fresh logits processor for one decode call (transformers ``LogitsProcessor`` convention)."""
     return LogitsProcessor(grammar)
+
+
+class BudgetSpent(Exception):
+    """Raised by :class:`AnswerBudget` before a token the answer has no budget left for (the
+    session is consistent: nothing was picked)."""
+
+
+class AnswerBudget(transformers.LogitsProcessor):
+    """Counts the answer's tokens against ``max_tokens``, except tokens the grammar fixes (the
+    ``<tool_call>`` wrapper, a forced tool name, JSON punctuation that has one continuation): a
+    step is fixed when the grammar leaves one allowed token or a forced string
+    (``find_jump_forward_string``). Place it right after the grammar processor.
+
+    Raises:
+        BudgetSpent: at a free step once ``max_tokens`` free tokens were decoded.
+    """
+
+    def __init__(self, max_tokens: int, grammar: LogitsProcessor | None):
+        self.max_tokens, self.grammar = max_tokens, grammar
+        self.charged = 0
+        self.steps: list[bool] = []  # per decoding step: fixed by the grammar
+
+    def fixed(self, tokens: int) -> int:
+        """Grammar-fixed tokens among the first ``tokens`` answer tokens (not the end-of-turn pick)."""
+        return sum(self.steps[:tokens])
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        fixed = self._is_fixed(scores)
+        if not fixed and self.charged >= self.max_tokens:
+            raise BudgetSpent
+        self.charged += not fixed
+        self.steps.append(fixed)
+        return scores
+
+    def _is_fixed(self, scores: torch.FloatTensor) -> bool:
+        if self.grammar is None or not self.grammar.matchers:
+            return False
+        matcher = self.grammar.matchers[0]
+        if matcher.is_terminated():
+            return False
+        return bool(matcher.find_jump_forward_string()) or int(torch.isfinite(scores).sum()) == 1

@@ -66,16 +66,17 @@ class Sampling:
         """The temperature the session picks at: 1 once the temperature warper ran, 0 = argmax."""
         return 1.0 if self.sampling else 0.0
 
-    def processors(self, grammar: LogitsProcessor | None, prompt_tokens: int) -> "LogitsProcessorList":
+    def processors(self, head: list[LogitsProcessor | None], prompt_tokens: int) -> "LogitsProcessorList":
         """The processors for one decode call.
 
         Args:
-            grammar: a fresh constrained-decoding processor (or None).
+            head: processors that run first, None entries skipped (the constrained-decoding
+                processor, the answer budget).
             prompt_tokens: cached rows before the answer (presence / frequency penalties count
                 only answer tokens, as the OpenAI API does; the repetition penalty counts the
                 whole context, as transformers does).
         """
-        out = LogitsProcessorList([grammar] if grammar is not None else [])
+        out = LogitsProcessorList([p for p in head if p is not None])
         if self.repetition_penalty not in (None, 1.0):
             out.append(RepetitionPenaltyLogitsProcessor(self.repetition_penalty))
         if self.presence_penalty or self.frequency_penalty:

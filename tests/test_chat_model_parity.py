@@ -110,7 +110,7 @@ def test_greedy_logprobs_name_the_argmax_token(tiny_loaded):
 def test_presence_and_frequency_penalties_count_answer_tokens_only():
     scores = torch.zeros(1, 6)
     ids = torch.tensor([[1, 1, 4, 2, 2, 2, 5]])  # prompt = the first 3 ids
-    out = Sampling(presence_penalty=0.5, frequency_penalty=0.25).processors(None, prompt_tokens=3)(ids, scores)
+    out = Sampling(presence_penalty=0.5, frequency_penalty=0.25).processors([], prompt_tokens=3)(ids, scores)
     expected = torch.zeros(1, 6)
     expected[0, 2] = -(0.5 + 3 * 0.25)
     expected[0, 5] = -(0.5 + 0.25)
