@@ -49,6 +49,7 @@ from .messages import session_message, to_session_messages
 from .options import fold_aliases, normalize_device, normalize_dtype, reject_unknown
 from .sampling import LogprobRecorder, Sampling
 from .tool_calls import CALL_OPEN, CallStream, split_calls, template_renders_tools
+from .slots import pick_slot, prompt_ids
 from .tool_policy import DEFAULT_MARGIN, scored_choice
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,11 @@ class ChatKVMemory(BaseChatModel):
     ``"after_user"`` on the first user turn, but a later user turn calls only when the model's own
     log-probability of opening a call is within ``call_margin`` nats of its favourite first token
     (:mod:`langchain_kvmemory.tool_policy`), so "thanks, summarise" gets text).
+    ``cache_slots`` (default 4): live caches one thread may keep, one per distinct prompt head
+    (e.g. a router and an answerer node with different system prompts on one thread); each call
+    uses the slot with the longest exact prefix reuse (:mod:`langchain_kvmemory.slots`,
+    ``response_metadata["cache_slot"]``); 1 = one cache per thread. The slots count in
+    ``memory_budget_bytes``; a checkpointer persists the thread's first slot only.
     ``parallel_tool_calls`` (per call / bind, default True): several calls in one answer; False:
     at most one. ``max_tokens`` counts the tokens the model chooses: tokens the grammar fixes
     (call wrappers, a forced name) are not charged (``response_metadata["grammar_fixed_tokens"]``).
@@ -201,6 +207,7 @@ class ChatKVMemory(BaseChatModel):
     auto_tool_calls: Literal["model", "after_user", "scored"] = "model"
     call_margin: float = Field(default=DEFAULT_MARGIN, ge=0)
     parallel_tool_calls: bool = True
+    cache_slots: int = Field(default=4, ge=1)
     erase: Literal["none", "strict"] = "none"
     guard: GuardConfig | None = None
 
@@ -476,8 +483,11 @@ class ChatKVMemory(BaseChatModel):
         if run_manager is not None and (run_manager.metadata or {}).get("lc_source") == "summarization":
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
         registry = self.threads_for(model_name)
+        prompt, head_tokens = prompt_ids(runtime.loaded.tokenizer, session_messages, tools)
+        logical_thread = thread_id
+        thread_id, _ = pick_slot(registry, thread_id, prompt, head_tokens, self.cache_slots)
         fixed_allowance = FIXED_TOKEN_ALLOWANCE if (tools or requested) else 0
-        reserve = (_prompt_tokens(runtime, session_messages, tools) + max_tokens + fixed_allowance + RESERVE_SLACK
+        reserve = (len(prompt) + max_tokens + fixed_allowance + RESERVE_SLACK
                    if registry.memory_budget_bytes is not None else 0)
         with registry.lease(thread_id, reserve_tokens=reserve) as session:
             session.tools = tools  # the session renders them: through the template or folded (kvmemory.prompt)
@@ -486,7 +496,7 @@ class ChatKVMemory(BaseChatModel):
             if guard is not None:
                 policy = guard.policy_for(thread_id, policy)
             report = session.prepare(session_messages, policy=policy, erase=kwargs.get("erase") or self.erase)
-            erased = _erase_everywhere(registry, thread_id, session, report)
+            erased = _erase_everywhere(registry, logical_thread, thread_id, session, report)
             if guard is not None:
                 guard.observe(thread_id, session, report)
             gap = None
@@ -524,7 +534,8 @@ class ChatKVMemory(BaseChatModel):
             finally:
                 tokens.close()
             decode_ms = (time.perf_counter() - t0) * 1000.0
-            result = self._result(watcher, report, reason, runtime, thread_id, decode_ms)
+            result = self._result(watcher, report, reason, runtime, logical_thread, decode_ms)
+            result["metadata"]["cache_slot"] = thread_id
             result["metadata"]["grammar_fixed_tokens"] = budget.fixed(watcher.count)
             if scored:
                 result["metadata"]["tool_policy"] = {"policy": "scored", "choice": choice, "call_gap_nats": gap,
@@ -623,7 +634,7 @@ class ChatKVMemory(BaseChatModel):
                 raise ValueError("method='function_calling' needs a schema (pydantic class, TypedDict or dict)")
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
-            llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format={
+            llm = self.bind_tools([tool], tool_choice=name, parallel_tool_calls=False, ls_structured_output_format={
                 "kwargs": {"method": method, "strict": strict}, "schema": tool})
             parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
                                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
@@ -727,14 +738,16 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
     return name
 
 
-def _erase_everywhere(registry: ThreadCaches, thread_id: str, session, report) -> dict | None:
-    """After a strict-erase repair: drop the thread's side caches and purge the erased messages
-    from every checkpoint store persisting ``registry``. Returns the response metadata entry."""
+def _erase_everywhere(registry: ThreadCaches, thread_id: str, slot: str, session, report) -> dict | None:
+    """After a strict-erase repair in cache ``slot`` of ``thread_id``: drop the thread's other
+    caches (side caches, other slots) and purge the erased messages from every checkpoint store
+    persisting ``registry``. Returns the response metadata entry."""
     if report.erased is None:
         return None
     from .checkpointer import ERASERS  # the checkpointer imports this module's package
 
-    dropped = [tid for tid in registry.thread_ids if tid.startswith(thread_id + "/") and registry.drop(tid)]
+    dropped = [tid for tid in registry.thread_ids
+               if tid != slot and (tid == thread_id or tid.startswith(thread_id + "/")) and registry.drop(tid)]
     stores, ids = [], session.take_erasures()
     for saver in list(ERASERS.get(registry, ())):
         try:

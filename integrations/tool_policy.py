@@ -6,11 +6,13 @@ The score is the model's own preference: the log-probability of the answer openi
 log-probability of its most likely first token. A call is decoded (under the call grammar) when the
 gap is at most ``margin`` nats, text (under a grammar that never opens a call) otherwise.
 
-On SmolLM2-135M-Instruct (docs/chat-model-parity.md) the gap separates follow-up turns after a
-tool round (calls: 0.1-1.9 nats; "thanks", "summarise", "goodbye": 2.5-6.1) but not first turns,
-where the model never gives calls weight (gap 6-12 nats whether or not a tool is needed): the
-policy therefore calls on the first user turn of a conversation (no tool result yet), as
-``"after_user"`` does, and scores later user turns.
+On SmolLM2-135M-Instruct (``benchmarks/tool_call_gap.py``, docs/chat-model-parity.md) the gap
+roughly separates user turns right after a tool round (needing a tool: 0.1-1.9 nats; "thanks",
+"summarise", "goodbye": 1.8-6.1, one of six under 2) but not first turns, where the model never
+gives calls weight (6-12.5 nats whether or not a tool is needed): the policy therefore calls on
+the first user turn of a conversation (no tool result yet), as ``"after_user"`` does, and scores
+later user turns. After a text answer the model's gap grows (5-11 nats in an agent run, also for
+turns needing a tool): the small model then answers from context instead of calling.
 """
 
 from __future__ import annotations
