@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -60,6 +61,8 @@ REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_token
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+MODEL_ENV = "KVMEMORY_MODEL"
+CHECKPOINTER_KEY = "__pregel_checkpointer"  # where LangGraph puts the graph's checkpointer in a node's config  # the default model (a folder, or "smollm2") when none is passed
 # keyword arguments a call accepts besides the sampling settings (LangChain passes the ls_* and
 # strict ones; decoding under a grammar is always schema-exact, so strict needs nothing more)
 CALL_KEYS = frozenset({"max_tokens", "seed", "timeout", "repair_policy", "erase", "thread_id", "model", "tools",
@@ -120,8 +123,9 @@ def _profile(config, name: str) -> dict[str, Any]:
 
 
 def _display_name(model: str) -> str:
-    """The name ``load_model`` gives the model (response_metadata["model_name"])."""
-    return EMBEDDED_NAME if model in ("smollm2", "") else Path(model).expanduser().name
+    """The model's name in response_metadata["model_name"]: the embedded model's name, else the
+    folder as given (so a per-call ``model=`` override shows in the answer's metadata)."""
+    return EMBEDDED_NAME if model in ("smollm2", "") else str(model)
 
 
 class ChatKVMemory(BaseChatModel):
@@ -137,7 +141,7 @@ class ChatKVMemory(BaseChatModel):
 
     Standard params: ``model`` (``"smollm2"`` = the embedded SmolLM2-135M-Instruct, a local
     model folder, or a :class:`kvmemory.LoadedModel` that this instance alone runs; alias
-    ``model_name``), ``temperature`` (0 = greedy), ``max_tokens`` (alias ``max_new_tokens``),
+    ``model_name``; default: ``$KVMEMORY_MODEL``, else ``"smollm2"``), ``temperature`` (0 = greedy), ``max_tokens`` (alias ``max_new_tokens``),
     ``stop``, ``timeout`` (seconds of decoding; the answer so far is returned with finish_reason
     ``"timeout"``), ``max_retries`` (accepted for compatibility: local decoding has no transient
     failures to retry), ``streaming``, ``seed``.
@@ -183,7 +187,7 @@ class ChatKVMemory(BaseChatModel):
     ``response_metadata["guard"]`` shows the thread's state, :meth:`guard_summary` all threads.
     """
 
-    model: str = "smollm2"
+    model: str = Field(default_factory=lambda: os.environ.get(MODEL_ENV) or "smollm2")
     dtype: Literal["fp32", "bf16"] = "fp32"
     device: str = "cpu"
     temperature: float = 0.0
@@ -279,7 +283,7 @@ class ChatKVMemory(BaseChatModel):
     @property
     def model_name(self) -> str:
         """The model's name as ``response_metadata["model_name"]`` and ``ls_model_name`` give it:
-        ``"SmolLM2-135M-Instruct"`` for the embedded model, a folder's name, a LoadedModel's name."""
+        ``"SmolLM2-135M-Instruct"`` for the embedded model, the folder as given, a LoadedModel's name."""
         return self._name_of(self.model)
 
     def _name_of(self, model: str) -> str:
@@ -386,7 +390,9 @@ class ChatKVMemory(BaseChatModel):
         explicit = kwargs.get("thread_id")
         if explicit is not None:
             return str(explicit)
-        configured = ensure_config().get("configurable", {}).get("thread_id")  # set inside LangGraph nodes
+        configurable = ensure_config().get("configurable", {})  # set inside LangGraph nodes
+        _note_unpersisted(configurable.get(CHECKPOINTER_KEY))
+        configured = configurable.get("thread_id")
         return str(configured) if configured is not None else self.default_thread_id
 
     # The plain Runnable entry points drop config["configurable"] before _generate; carry the
@@ -534,7 +540,7 @@ class ChatKVMemory(BaseChatModel):
             finally:
                 tokens.close()
             decode_ms = (time.perf_counter() - t0) * 1000.0
-            result = self._result(watcher, report, reason, runtime, logical_thread, decode_ms)
+            result = self._result(watcher, report, reason, model_name, logical_thread, decode_ms)
             result["metadata"]["cache_slot"] = thread_id
             result["metadata"]["grammar_fixed_tokens"] = budget.fixed(watcher.count)
             if scored:
@@ -565,7 +571,7 @@ class ChatKVMemory(BaseChatModel):
             return runtime.grammars.json_schema(schema) if schema is not None else runtime.grammars.json_object()
         return None
 
-    def _result(self, watcher: "_TextWatcher", report, reason: str, runtime: _Runtime, thread_id: str,
+    def _result(self, watcher: "_TextWatcher", report, reason: str, model_name: str, thread_id: str,
                 decode_ms: float) -> dict[str, Any]:
         if watcher.watch_calls and CALL_OPEN in watcher.text:
             content, calls, invalid = split_calls(watcher.text, watcher.calls.ids)
@@ -575,7 +581,7 @@ class ChatKVMemory(BaseChatModel):
                  "total_tokens": report.prompt_tokens + watcher.count,
                  "input_token_details": {"cache_read": report.reused_tokens}}
         metadata = {
-            "model_name": runtime.loaded.name,  # = self.model_name and ls_model_name
+            "model_name": self._name_of(model_name),  # = self.model_name and ls_model_name
             "model_provider": "kvmemory",
             "finish_reason": "tool_calls" if calls else reason,
             "thread_id": thread_id,
@@ -791,6 +797,23 @@ def _prompt_tokens(runtime: _Runtime, session_messages, tools) -> int:
     tokenizer = runtime.loaded.tokenizer
     text = render_text(tokenizer, normalize_messages(session_messages), tools=tools)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+_NOTED_SAVERS: set[type] = set()
+
+
+def _note_unpersisted(saver: Any) -> None:
+    """Log once per saver class that a plain LangGraph checkpointer does not persist live caches
+    (a restarted process re-prefills each thread): wrap it in KVCheckpointSaver to keep them."""
+    if saver is None or type(saver) in _NOTED_SAVERS:
+        return
+    from .checkpointer import KVCheckpointSaver  # the checkpointer imports this module's package
+
+    if not isinstance(saver, KVCheckpointSaver):
+        _NOTED_SAVERS.add(type(saver))
+        log.warning("kvmemory: the graph's checkpointer %s does not persist live KV caches (after a restart each "
+                    "thread re-prefills): wrap it, KVCheckpointSaver(saver, chat_model), to store them with the "
+                    "checkpoints", type(saver).__name__)
 
 
 def _until_spent(tokens: Iterator[int]) -> Iterator[int]:

@@ -160,7 +160,7 @@ def test_token_counts_use_the_models_tokenizer_and_chat_template(real):
 def test_profile_of_a_folder_model_comes_from_its_config(real):
     llm = ChatKVMemory(model=str(real.path))
     assert llm.profile["max_input_tokens"] == real.model.config.max_position_embeddings == 8192
-    assert llm.model_name == real.name == "SmolLM2-135M-Instruct" == ChatKVMemory().model_name
+    assert llm.model_name == str(real.path) and ChatKVMemory().model_name == real.name == "SmolLM2-135M-Instruct"
     middleware = SummarizationMiddleware(model=llm, trigger=("fraction", 0.8), keep=("messages", 4))
     assert middleware._get_profile_limits() == 8192
 
@@ -189,3 +189,31 @@ def test_model_name_agrees_on_the_embedded_model(real):
     answer = llm.invoke("Hi")
     assert llm.model_name == answer.response_metadata["model_name"] == llm._get_ls_params()["ls_model_name"]
     assert llm.model_name == "SmolLM2-135M-Instruct"
+
+
+def test_a_plain_checkpointer_is_noted_once(tiny_loaded, tmp_path, monkeypatch, caplog):
+    from langgraph.checkpoint.memory import InMemorySaver
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    from langchain_kvmemory import chat_model
+    from langchain_kvmemory.checkpointer import KVCheckpointSaver
+
+    monkeypatch.setattr(chat_model, "_NOTED_SAVERS", set())
+    llm = ChatKVMemory(model=tiny_loaded, max_tokens=2)
+
+    def graph(saver):
+        g = StateGraph(MessagesState)
+        g.add_node("chat", lambda state: {"messages": [llm.invoke(state["messages"])]})
+        g.add_edge(START, "chat")
+        return g.compile(checkpointer=saver)
+
+    def notes():
+        return [r for r in caplog.records if "does not persist live KV caches" in r.getMessage()]
+
+    wrapped = graph(KVCheckpointSaver(InMemorySaver(), llm, blob_dir=tmp_path))
+    wrapped.invoke({"messages": [HumanMessage("Hi")]}, {"configurable": {"thread_id": "kept"}})
+    assert notes() == []
+    plain = graph(InMemorySaver())
+    for turn in ("Hi", "Again"):
+        plain.invoke({"messages": [HumanMessage(turn)]}, {"configurable": {"thread_id": "plain"}})
+    assert len(notes()) == 1 and "InMemorySaver" in notes()[0].getMessage()
