@@ -61,8 +61,8 @@ REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_token
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-MODEL_ENV = "KVMEMORY_MODEL"
-CHECKPOINTER_KEY = "__pregel_checkpointer"  # where LangGraph puts the graph's checkpointer in a node's config  # the default model (a folder, or "smollm2") when none is passed
+MODEL_ENV = "KVMEMORY_MODEL"  # the default model (a folder, or "smollm2") when none is passed
+CHECKPOINTER_KEY = "__pregel_checkpointer"  # where LangGraph puts the graph's checkpointer in a node's config
 # keyword arguments a call accepts besides the sampling settings (LangChain passes the ls_* and
 # strict ones; decoding under a grammar is always schema-exact, so strict needs nothing more)
 CALL_KEYS = frozenset({"max_tokens", "seed", "timeout", "repair_policy", "erase", "thread_id", "model", "tools",
