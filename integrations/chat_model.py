@@ -172,8 +172,8 @@ class ChatKVMemory(BaseChatModel):
     uses the slot with the longest exact prefix reuse (:mod:`langchain_kvmemory.slots`,
     ``response_metadata["cache_slot"]``); 1 = one cache per thread. The slots count in
     ``memory_budget_bytes``; a checkpointer persists the thread's first slot only.
-    ``parallel_tool_calls`` (per call / bind, default True): several calls in one answer; False:
-    at most one. ``max_tokens`` counts the tokens the model chooses: tokens the grammar fixes
+    ``parallel_tool_calls`` (also per call / bind): True allows several calls in one answer;
+    False (default, because the 135 M model repeats a call when allowed several) at most one. ``max_tokens`` counts the tokens the model chooses: tokens the grammar fixes
     (call wrappers, a forced name) are not charged (``response_metadata["grammar_fixed_tokens"]``).
 
     ``erase`` (``"none"`` or ``"strict"``; per call: ``invoke(..., erase="strict")``): under strict
@@ -210,7 +210,7 @@ class ChatKVMemory(BaseChatModel):
     default_thread_id: str = "default"
     auto_tool_calls: Literal["model", "after_user", "scored"] = "model"
     call_margin: float = Field(default=DEFAULT_MARGIN, ge=0)
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = False
     cache_slots: int = Field(default=4, ge=1)
     erase: Literal["none", "strict"] = "none"
     guard: GuardConfig | None = None

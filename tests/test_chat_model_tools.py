@@ -95,18 +95,19 @@ TWO_CITIES = [HumanMessage("What is the weather in Paris and in Rome?")]
 @pytest.mark.real_model
 def test_two_calls_in_one_message_under_max_tokens_32(real):
     llm = ChatKVMemory(model=real, max_tokens=32)
-    answer = llm.bind_tools([get_weather, get_time], tool_choice="any").invoke(TWO_CITIES)
+    answer = llm.bind_tools([get_weather, get_time], tool_choice="any", parallel_tool_calls=True).invoke(TWO_CITIES)
     assert len(answer.tool_calls) >= 2 and not answer.invalid_tool_calls
     assert {c["args"]["city"] for c in answer.tool_calls} >= {"Paris", "Rome"}
     assert answer.response_metadata["finish_reason"] == "tool_calls"
-    single = llm.bind_tools([get_weather, get_time], tool_choice="any", parallel_tool_calls=False).invoke(TWO_CITIES)
+    single = llm.bind_tools([get_weather, get_time], tool_choice="any").invoke(TWO_CITIES)  # default: one call
     assert len(single.tool_calls) == 1 and not single.invalid_tool_calls
     assert single.tool_calls[0]["args"] == {"city": "Paris"}  # complete although max_tokens=32
 
 
 @pytest.mark.real_model
 def test_tool_call_arguments_stream_while_decoded(real):
-    llm = ChatKVMemory(model=real, max_tokens=32).bind_tools([get_weather, get_time], tool_choice="any")
+    llm = ChatKVMemory(model=real, max_tokens=32).bind_tools([get_weather, get_time], tool_choice="any",
+                                                             parallel_tool_calls=True)
     chunks = list(llm.stream(TWO_CITIES))
     with_calls = [i for i, c in enumerate(chunks) if c.tool_call_chunks]
     assert len(with_calls) > 4 and with_calls[0] < len(chunks) - 1  # before the last chunk, many deltas
