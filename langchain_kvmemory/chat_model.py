@@ -897,8 +897,9 @@ def _check_call_settings(policy, max_tokens, temperature, timeout) -> None:
 
 
 def _prompt_tokens(runtime: _Runtime, session_messages, tools) -> int:
-    """Tokens of the rendered prompt: the rows the thread's cache holds once prepared (so the call
-    can reserve its share of the memory budget before it runs). Raises what rendering raises."""
+    """Tokens of the rendered prompt: the rows the thread's cache holds once prepared
+    (``get_num_tokens_from_messages``; a call counts them with ``slots.prompt_ids``). Raises what
+    rendering raises."""
     tokenizer = runtime.loaded.tokenizer
     text = render_text(tokenizer, normalize_messages(session_messages), tools=tools)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
