@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvmemory import kvcache
-from kvmemory.metrics import first_token_kl
+from kvmemory.divergence import first_token_kl
 from kvmemory.reforge import ReforgeConfig, decide
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
 from kvmemory_lab.reforge.schedule_fit import fit_tail_weights
@@ -184,7 +184,7 @@ def test_scheduled_needs_a_scheduler_calibration(tokenizer):
 # --------------------------------------------------------------- real model
 @pytest.fixture(scope="module")
 def real_lora(real):
-    from kvmemory.reforge.workload import attach_lora
+    from kvmemory_lab.reforge.workload import attach_lora
 
     model, _, _ = attach_lora(real.model, "v_proj", 15, 8, 16)
     yield model
