@@ -111,7 +111,7 @@ class BlockStore(ABC):
             try:
                 out[key] = self.get(key)
             except BlockMissing:
-                pass
+                continue  # left out: the caller recomputes what is missing
         return out
 
     def nbytes(self, prefix: str = "") -> int:
