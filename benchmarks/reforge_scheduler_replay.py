@@ -1,5 +1,5 @@
 """The budgeted CacheReforge scheduler against the paper's eq. 9 by exact replay
-(``kvmemory.reforge.trajectory.PolicyReplay``) on cached trajectory banks.
+(``kvmemory_lab.reforge.trajectory.PolicyReplay``) on cached trajectory banks.
 
 Fit (calibration banks only, seeds 53 and 61 as in the paper)::
 
@@ -66,7 +66,7 @@ def main() -> None:
 
 
 def workload(args):
-    from kvmemory.reforge.cli import add_workload_arguments, check_workload_args, load_workload
+    from kvmemory_lab.reforge.cli import add_workload_arguments, check_workload_args, load_workload
 
     wl = argparse.ArgumentParser()
     add_workload_arguments(wl)
@@ -88,7 +88,7 @@ def prompts_of(args, seed: int) -> int:
 
 
 def banks(w, args, split: str, seeds: list[int]):
-    from kvmemory.reforge.cli import cached_bank
+    from kvmemory_lab.reforge.cli import cached_bank
 
     return [cached_bank(w, split, prompts_of(args, seed), seed, args.updates, 1e-2, args.bank_dir) for seed in seeds]
 
@@ -96,8 +96,8 @@ def banks(w, args, split: str, seeds: list[int]):
 def run_fit(w, args) -> None:
     from kvmemory.reforge.profile import ReforgeProfile
     from kvmemory_lab.reforge.schedule_fit import fit_scheduler
-    from kvmemory.reforge.trajectory import PolicyReplay
-    from kvmemory.reforge.workload import load_snapshot
+    from kvmemory_lab.reforge.trajectory import PolicyReplay
+    from kvmemory_lab.reforge.workload import load_snapshot
 
     seeds = [int(s) for s in args.seeds.split(",")]
     replay = PolicyReplay(w.model, banks(w, args, "calibration", seeds), load_snapshot)
@@ -119,8 +119,8 @@ def run_fit(w, args) -> None:
 
 def run_eval(w, args) -> None:
     from kvmemory.reforge.profile import ReforgeProfile
-    from kvmemory.reforge.trajectory import PolicyReplay, ReplayPolicy
-    from kvmemory.reforge.workload import load_snapshot
+    from kvmemory_lab.reforge.trajectory import PolicyReplay, ReplayPolicy
+    from kvmemory_lab.reforge.workload import load_snapshot
 
     profile = ReforgeProfile.load(args.profile)
     policies = {"stale": None}
@@ -240,7 +240,7 @@ def markdown(r: dict) -> str:
 
 
 def plot(r: dict, path: Path) -> None:
-    from kvmemory.bench.common import agg_pyplot
+    from kvmemory_lab.bench.common import agg_pyplot
 
     plt = agg_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))

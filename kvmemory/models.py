@@ -258,9 +258,14 @@ def load_model(
 def _attach_engine(model, embedded: bool, engine: str) -> EngineStatus:
     """The embedded model runs on its GGUF blocks; other folders have none kvmemory knows of
     (``kvmemory.engine.attach(model, gguf)`` adds them)."""
-    if engine == "transformers" or embedded:
-        return attach_engine(model, embedded_gguf_path(), engine)
+    if engine == "transformers":
+        return attach_engine(model, "", engine)
     reason = "no GGUF blocks known for this model folder (kvmemory.engine.attach(model, gguf_path) adds them)"
+    if embedded:
+        try:
+            return attach_engine(model, embedded_gguf_path(), engine)
+        except ModelNotFoundError as exc:  # the wheel is gone; its converted copy still runs on transformers
+            reason = f"the embedded model's GGUF is not installed ({exc})"
     if engine == "q4_1":
         raise EngineUnsupportedError(reason)
     return EngineStatus("transformers", reason)

@@ -254,7 +254,7 @@ def _adaptive_refresh(ctx, cache, cached_ids, ids, new, plan, policy, report) ->
         return selections[B]
 
     t1 = time.perf_counter()
-    rows = _source_rows(plan, ids.shape[0])
+    rows = plan.source_rows(ids.shape[0])
     shifted = kvcache.gather_rows(cache, rows)
     report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
     report.shift_ms = _ms(t1)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .blobs import _fsync_dir
+from .erase import shred_file
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class BlockStore(ABC):
             try:
                 out[key] = self.get(key)
             except BlockMissing:
-                pass
+                continue  # left out: the caller recomputes what is missing
         return out
 
     def nbytes(self, prefix: str = "") -> int:
@@ -174,13 +175,9 @@ class FilesystemBlockStore(BlockStore):
 
     def delete(self, key: str, *, shred: bool = False) -> bool:
         path = self.path(key)
+        if shred:
+            return shred_file(path)
         try:
-            if shred:
-                size = path.stat().st_size
-                with open(path, "r+b") as f:
-                    f.write(bytes(size))
-                    f.flush()
-                    os.fsync(f.fileno())
             path.unlink()
         except FileNotFoundError:
             return False

@@ -163,7 +163,11 @@ def _blob_metadata(store: BlobStore, sha: str) -> dict | None:
 
 def shred(store: BlobStore, sha: str) -> bool:
     """Overwrite a blob file with zeros, fsync and unlink it. Returns whether a file existed."""
-    path = store.path(sha)
+    return shred_file(store.path(sha))
+
+
+def shred_file(path) -> bool:
+    """Overwrite a file with zeros, fsync and unlink it. Returns whether a file existed."""
     try:
         size = path.stat().st_size
         with open(path, "r+b") as f:

@@ -33,13 +33,12 @@ def _teacher_forcing_matches_decoding(model, tokenizer, steps: int):
     session.prepare(without(history(), "t2") + [QUERY], policy=RepairPolicy(budget=20.0))
     rows_before = len(session.token_ids)
     probe = session.fork()
-    # the logits each greedy step used, recorded while decoding step by step
-    seen = [session.next_logits.clone()]
-    tokens = []
+    # the logits each greedy step used, recorded while decoding step by step (a streamed token is
+    # handed out before its row is computed: the pending logits are the ones it was picked from)
+    seen, tokens = [], []
     for token in session.stream_tokens(steps):
+        seen.append(session.next_logits.clone())
         tokens.append(token)
-        if session.next_logits is not None:
-            seen.append(session.next_logits.clone())
     rows = teacher_forced_logits(probe, tokens)
     assert rows.shape == (len(tokens), seen[0].shape[0])
     for t in range(len(tokens)):

@@ -176,7 +176,7 @@ def test_default_guard_catches_a_late_split_the_first_token_misses(real):
     """A QA deletion where SUR@2's first-token KL (~9e-3) stays under the former default threshold
     (1e-2) although its greedy answer differs from Re-prefill's: the default teacher-forced
     measure escalates it, the first-token measure at 1e-2 does not, and Replay stays clean."""
-    from kvmemory.demo_cases import default_data_dir
+    from kvmemory_lab.demo_cases import default_data_dir
     from kvmemory_lab.evaluation import qa_cases
 
     data = default_data_dir()

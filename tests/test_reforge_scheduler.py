@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvmemory import kvcache
-from kvmemory.metrics import first_token_kl
+from kvmemory.divergence import first_token_kl
 from kvmemory.reforge import ReforgeConfig, decide
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
 from kvmemory_lab.reforge.schedule_fit import fit_tail_weights
@@ -88,17 +88,17 @@ def test_scheduled_session_spends_its_budget_and_reports_what_stays_stale(tokeni
     s = KVSession(pm, tokenizer, "replay", reforge=_scheduled(budget_pct=20))  # 1.2 layers per update
     s.prepare(MSGS)
     nudge(pm, 2, "v_proj", scale=2.0)
-    first = s.reforge.maintain(s)
+    first = s.maintain()
     assert (first.policy, first.start, first.end) == ("scheduled", 2, 3)  # only one layer affordable
     assert first.budget["spent"] == 1 and first.budget["balance"] == pytest.approx(0.2)
     assert s.adapter_versions.mixed and s.adapter_versions.stale_layers == [3, 4, 5]
     assert s.exact_rows == 0  # rows of a mixed cache never count as exact for a later edit repair
-    again = s.reforge.maintain(s)  # same version: no second deposit, nothing affordable
+    again = s.maintain()  # same version: no second deposit, nothing affordable
     assert again.action == "reuse" and again.budget["deposits"] == pytest.approx(1.2)
     rich = KVSession(pm, tokenizer, "replay", reforge=_scheduled(budget_pct=100))
     rich.prepare(MSGS)
     nudge(pm, 2, "v_proj", scale=1.0, seed=3)
-    report = rich.reforge.maintain(rich)
+    report = rich.maintain()
     assert (report.start, report.end) == (2, 6) and not rich.adapter_versions.mixed
     assert torch.allclose(rich.next_logits, fresh_logits(pm, tokenizer, MSGS).next_logits, atol=ATOL)
     forked = rich.fork()
@@ -133,7 +133,7 @@ def test_strict_erase_after_a_scheduled_update(tokenizer):
     s = KVSession(pm, tokenizer, "replay", reforge=_scheduled(budget_pct=20))
     s.prepare(MSGS)
     nudge(pm, 2, "v_proj", scale=2.0)
-    s.reforge.maintain(s)
+    s.maintain()
     assert s.adapter_versions.mixed
     report = s.delete_message("t2", erase="strict")
     edited = [m for m in MSGS if m["id"] != "t2"]
@@ -150,7 +150,7 @@ def test_exported_mixed_cache_is_imported_with_its_layer_versions_and_recomputed
     s = KVSession(pm, tokenizer, "replay", reforge=_scheduled(budget_pct=20))
     s.prepare(MSGS)
     nudge(pm, 2, "v_proj", scale=2.0)
-    s.reforge.maintain(s)
+    s.maintain()
     versions = s.adapter_versions
     state = export_state(s, "tiny")
     state = CacheState.from_parts(state.tensors(), state.metadata())  # what a stored blob holds
@@ -184,7 +184,7 @@ def test_scheduled_needs_a_scheduler_calibration(tokenizer):
 # --------------------------------------------------------------- real model
 @pytest.fixture(scope="module")
 def real_lora(real):
-    from kvmemory.reforge.workload import attach_lora
+    from kvmemory_lab.reforge.workload import attach_lora
 
     model, _, _ = attach_lora(real.model, "v_proj", 15, 8, 16)
     yield model
@@ -211,11 +211,11 @@ def test_real_model_scheduled_budget_mixed_cache_edit_and_import(real_lora, toke
     stale = s.fork()
     OnlineAdapter(model, tokenizer, {}, lr=5e-2).update(history()[:2], "Helmsford")
     ref = fresh_logits(model, tokenizer, msgs)
-    report = s.reforge.maintain(s)
+    report = s.maintain()
     assert (report.start, report.end) == (15, 16) and s.adapter_versions.stale_layers == list(range(16, 30))
-    stale.reforge.maintain(stale, policy="stale")
+    stale.maintain(policy="stale")
     assert 0 < first_token_kl(ref.next_logits, s.next_logits) < first_token_kl(ref.next_logits, stale.next_logits)
-    assert rich.reforge.maintain(rich).end == 30
+    assert rich.maintain().end == 30
     assert torch.allclose(rich.next_logits, ref.next_logits, atol=ATOL)
     state = CacheState.from_parts(*(lambda st: (st.tensors(), st.metadata()))(export_state(s, "smollm2")))
     restored = KVSession(model, tokenizer, "replay", reforge=cheap)

@@ -228,7 +228,7 @@ def test_a_lease_keeps_a_second_worker_out_until_released(tmp_path, tokenizer, l
     with a.saver.lease_thread("t", ttl_s=5):
         with pytest.raises(LeaseTimeout, match="leased by another worker"):
             with b.saver.lease_thread("t", wait_s=0.2):
-                pass
+                raise AssertionError("entered a thread another worker holds")
         waiter = threading.Thread(target=lambda: (b.saver.lease_thread("t", wait_s=10).__enter__(), order.append("B")))
         waiter.start()
         time.sleep(0.3)

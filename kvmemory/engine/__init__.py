@@ -24,7 +24,7 @@ import torch
 from .buffers import plain_layers
 from ..errors import EngineUnsupportedError, InputError
 from .llama import QuantizedLlama, _Layer
-from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_gguf_blocks
+from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_gguf_blocks  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 

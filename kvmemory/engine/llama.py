@@ -57,9 +57,9 @@ class QuantizedLlama:
         self.scale = layers[0].module.self_attn.scaling
         self.buffers = CacheBuffers(self.kv_heads, self.head_dim, torch.float32, torch.device("cpu"))
         self._watched = _watch(model)
-        self.decoder = self._decoder(text)
+        self.decoder = self._decoder()
 
-    def _decoder(self, text):
+    def _decoder(self):
         """The compiled one-token decoder over the same blocks and the model's norm weights."""
         from .quantized import kernel
 
