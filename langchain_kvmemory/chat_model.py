@@ -13,17 +13,19 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 import uuid
 import weakref
 from dataclasses import dataclass
 from operator import itemgetter
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -38,14 +40,18 @@ import torch
 
 from kvmemory.guard import FidelityGuard, GuardConfig
 from kvmemory.errors import InputError, InputTypeError, MessageError
-from kvmemory.models import LoadedModel, load_model
+from kvmemory.models import LoadedModel, embedded_model_dir, load_model
 from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import normalize_messages, render_text
 from kvmemory.threads import ThreadCaches
 
-from .constrained import Grammars, processor
+from .constrained import AnswerBudget, BudgetSpent, Grammars, processor, response_schema
 from .messages import session_message, to_session_messages
-from .tool_calls import CALL_OPEN, split_calls, template_renders_tools
+from .options import fold_aliases, normalize_device, normalize_dtype, reject_unknown
+from .sampling import LogprobRecorder, Sampling
+from .tool_calls import CALL_OPEN, CallStream, split_calls, template_renders_tools
+from .slots import pick_slot, prompt_ids
+from .tool_policy import DEFAULT_MARGIN, scored_choice
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +61,16 @@ REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_token
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+MODEL_ENV = "KVMEMORY_MODEL"  # the default model (a folder, or "smollm2") when none is passed
+CHECKPOINTER_KEY = "__pregel_checkpointer"  # where LangGraph puts the graph's checkpointer in a node's config
+# keyword arguments a call accepts besides the sampling settings (LangChain passes the ls_* and
+# strict ones; decoding under a grammar is always schema-exact, so strict needs nothing more)
+CALL_KEYS = frozenset({"max_tokens", "seed", "timeout", "repair_policy", "erase", "thread_id", "model", "tools",
+                       "tool_choice", "parallel_tool_calls", "response_format", "ls_structured_output_format",
+                       "strict"})
 RESERVE_SLACK = 16  # rows a call may hold beyond prompt + answer (end-of-turn markers of a committed answer)
+# grammar-fixed tokens a constrained answer may add beyond max_tokens (call wrappers, forced names)
+FIXED_TOKEN_ALLOWANCE = 128
 
 
 @dataclass
@@ -82,11 +97,13 @@ _RUNTIMES: dict[tuple[str, str, str], _Runtime] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 
-def _runtime(model: str, dtype: str, engine: str) -> _Runtime:
+def _runtime(model: str, dtype: str, engine: str, device: str = "cpu") -> _Runtime:
     with _RUNTIMES_LOCK:
-        key = (model, dtype, engine)
+        key = (model, dtype, engine, device)
         if key not in _RUNTIMES:
             loaded = load_model(None if model in ("smollm2", "") else model, dtype, engine=engine)
+            if device != "cpu":
+                loaded.model.to(device)
             _RUNTIMES[key] = _Runtime(loaded, template_renders_tools(loaded.tokenizer))
         return _RUNTIMES[key]
 
@@ -104,7 +121,37 @@ class _Call:
     stops: list[str]
     max_tokens: int
     timeout: float | None
-    thread_id: str
+    thread_id: str  # the registry entry the call leases: the thread's cache slot
+    logical_thread: str  # the LangGraph thread (response_metadata["thread_id"], checkpoint stores)
+    prompt: list[int]  # token ids of the rendered prompt
+    requested: tuple | None  # the response_format asked for (see constrained.response_schema)
+    parallel: bool  # several tool calls allowed in one answer
+    scored: bool  # auto_tool_calls="scored" decides the choice once the thread is prepared
+    has_tool_results: bool  # the messages hold a tool result (the scored policy's later turns)
+    sampling: Sampling
+    fixed_allowance: int  # grammar-fixed tokens the answer may add beyond max_tokens
+    seed: int | None
+    call_gap: float | None = None  # the scored policy's gap in nats, once decided
+
+
+def _model_folder(model: str) -> Path:
+    """The folder a model name loads from (the embedded model: its converted cache folder)."""
+    return embedded_model_dir() if model in ("smollm2", "") else Path(model).expanduser()
+
+
+def _profile(config, name: str) -> dict[str, Any]:
+    """The LangChain model profile of a model with this transformers ``config``."""
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return {"name": name, "max_input_tokens": context, "max_output_tokens": context,
+            "text_inputs": True, "image_inputs": False, "audio_inputs": False, "pdf_inputs": False,
+            "video_inputs": False, "text_outputs": True, "tool_calling": True, "tool_choice": True,
+            "structured_output": True, "tool_call_streaming": True, "temperature": True, "open_weights": True}
+
+
+def _display_name(model: str) -> str:
+    """The model's name in response_metadata["model_name"]: the embedded model's name, else the
+    folder as given (so a per-call ``model=`` override shows in the answer's metadata)."""
+    return EMBEDDED_NAME if model in ("smollm2", "") else str(model)
 
 
 class ChatKVMemory(BaseChatModel):
@@ -121,18 +168,29 @@ class ChatKVMemory(BaseChatModel):
     Each LangGraph ``thread_id`` (from the run config; ``default_thread_id`` otherwise) keeps
     its own live cache; an edited history is repaired under ``repair_policy``, and
     ``response_metadata["repair"]`` says what was reused, recomputed and why. One field per
-    setting below; per-call overrides go to ``invoke(..., repair_policy=..., erase=...)``.
+    setting below; per-call overrides go to ``invoke(..., repair_policy=..., erase=...)``, and so
+    do the sampling settings. Aliases: ``model_name`` (``model``), ``max_new_tokens``
+    (``max_tokens``), ``torch_dtype`` (``dtype``), ``device_map`` (``device``); ``model_kwargs``
+    folds into the fields. Unknown settings raise an InputError naming the closest accepted one.
+    ``model_name`` (read-only after construction) is the name in ``response_metadata["model_name"]``
+    and LangSmith's ``ls_model_name``.
     """
 
-    model: str = "smollm2"
+    model: str = Field(default_factory=lambda: os.environ.get(MODEL_ENV) or "smollm2")
     """``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a local transformers model folder, or a
-    :class:`kvmemory.LoadedModel` that this instance alone runs."""
+    :class:`kvmemory.LoadedModel` that this instance alone runs (alias ``model_name``; default:
+    ``$KVMEMORY_MODEL``, else ``"smollm2"``)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    """Weights and cache dtype (CPU: fp32 is exact to Re-prefill, bf16 is faster)."""
+    """Weights and cache dtype (CPU: fp32 is exact to Re-prefill, bf16 is faster). Alias
+    ``torch_dtype``; accepts ``"float32"``/``torch.float32``, ``"bfloat16"``/``torch.bfloat16`` and
+    ``"auto"`` (bf16 on CUDA, fp32 on CPU)."""
     engine: Literal["auto", "q4_1", "transformers"] = "auto"
     """What computes cache rows (``kvmemory.load_model(engine=...)``): ``"auto"`` runs the embedded
     model on its GGUF blocks (same weights, faster decoding on CPU) and other models on transformers;
     ``response_metadata["repair"]["engine"]`` says which ran and why."""
+    device: str = "cpu"
+    """Where the model runs (alias ``device_map``): ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"auto"``
+    (CUDA when present)."""
     temperature: float = 0.0
     """Sampling temperature; 0 decodes greedily."""
     max_tokens: int = 256
@@ -147,6 +205,23 @@ class ChatKVMemory(BaseChatModel):
     """Whether ``invoke`` streams through the callbacks (LangChain's standard parameter)."""
     seed: int | None = None
     """Sampling seed (temperature > 0)."""
+    top_p: float | None = None
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p``
+    (transformers logits processors, see :mod:`langchain_kvmemory.sampling`)."""
+    top_k: int | None = None
+    """Sample among the ``top_k`` most likely tokens only."""
+    min_p: float | None = None
+    """Drop tokens less likely than ``min_p`` times the most likely one."""
+    repetition_penalty: float | None = None
+    """transformers' repetition penalty (> 1 discourages repeats), over the whole context."""
+    presence_penalty: float | None = None
+    """OpenAI's presence penalty, over the answer so far."""
+    frequency_penalty: float | None = None
+    """OpenAI's frequency penalty, over the answer so far."""
+    logprobs: bool | None = None
+    """Return the chosen tokens' log-probabilities (``response_metadata["logprobs"]["content"]``)."""
+    top_logprobs: int | None = None
+    """With ``logprobs``: also the ``top_logprobs`` most likely alternatives per token."""
     repair_policy: str = "sur@5"
     """How an edited history is repaired: ``"sur@5"`` (Shift + SUR at b = 5 %), ``"shift"``,
     ``"replay"``, ``"reprefill"``, ``"bm25@2"``, ... (see ``kvmemory.RepairPolicy``)."""
@@ -155,10 +230,27 @@ class ChatKVMemory(BaseChatModel):
     first and a call that still does not fit waits (None: no limit)."""
     default_thread_id: str = "default"
     """Thread used when the run config names none."""
-    auto_tool_calls: Literal["model", "after_user"] = "model"
+    auto_tool_calls: Literal["model", "after_user", "scored"] = "model"
     """Under ``tool_choice="auto"``: ``"model"`` lets the model decide; ``"after_user"`` requires
     a tool call after a user turn and leaves text free after a tool result (a ReAct policy for
-    models too small to decide, such as the embedded one)."""
+    models too small to decide, such as the embedded one); ``"scored"``: as ``"after_user"`` on
+    the first user turn, but a later user turn calls only when the model's own log-probability of
+    opening a call is within ``call_margin`` nats of its favourite first token
+    (:mod:`langchain_kvmemory.tool_policy`), so "thanks, summarise" gets text."""
+    call_margin: float = Field(default=DEFAULT_MARGIN, ge=0)
+    """``auto_tool_calls="scored"``: how many nats below the favourite first token a call may
+    open and still be made."""
+    parallel_tool_calls: bool = False
+    """True allows several tool calls in one answer; False (default, because the 135 M model
+    repeats a call when allowed several) at most one. Also per call / bind. ``max_tokens`` counts
+    the tokens the model chooses: tokens the grammar fixes (call wrappers, a forced name) are not
+    charged (``response_metadata["grammar_fixed_tokens"]``)."""
+    cache_slots: int = Field(default=4, ge=1)
+    """Live caches one thread may keep, one per distinct prompt head (e.g. a router and an
+    answerer node with different system prompts on one thread); each call uses the slot with the
+    longest exact prefix reuse (:mod:`langchain_kvmemory.slots`, ``response_metadata["cache_slot"]``);
+    1 = one cache per thread. The slots count in ``memory_budget_bytes``; a checkpointer persists
+    the thread's first slot only."""
     erase: Literal["none", "strict"] = "none"
     """``"strict"``: a call that deletes or replaces a held message recomputes every row from the
     edit point (Replay), drops the thread's side caches (``<thread>/summary``) and purges the
@@ -185,23 +277,50 @@ class ChatKVMemory(BaseChatModel):
             ValueError (pydantic ValidationError): ``dtype`` given and different from the
                 LoadedModel's.
         """
+        kwargs = fold_aliases(kwargs, "ChatKVMemory(...)")
         loaded = kwargs.get("model")
         if isinstance(loaded, LoadedModel):
             dtype = "bf16" if loaded.dtype == torch.bfloat16 else "fp32"
-            if kwargs.get("dtype", dtype) != dtype:
+            if normalize_dtype(kwargs.get("dtype", dtype)) not in (dtype, "auto"):
                 raise ValueError(f"dtype={kwargs['dtype']!r} but the LoadedModel runs in {dtype}: "
                                  "omit dtype, or load the model with load_model(..., dtype=...)")
+            device = str(next(loaded.model.parameters()).device)
+            device = "cuda:0" if device == "cuda" else device
+            if "device" in kwargs and normalize_device(kwargs["device"]) != device:
+                raise ValueError(f"device={kwargs['device']!r} but the LoadedModel lies on {device}: "
+                                 "omit device, or move the model first (loaded.model.to(...))")
             kwargs = {**kwargs, "model": "smollm2" if loaded.name == EMBEDDED_NAME else str(loaded.path),
-                      "dtype": dtype}
+                      "dtype": dtype, "device": device}
+            kwargs.setdefault("profile", _profile(loaded.model.config, loaded.name))  # not from a folder
         super().__init__(**kwargs)
         if isinstance(loaded, LoadedModel):
             self._pinned = _Runtime(loaded, template_renders_tools(loaded.tokenizer))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_settings(cls, values: Any) -> Any:
+        # unknown keys raise (pydantic would drop them); aliases and model_kwargs fold into fields
+        if not isinstance(values, dict):
+            return values
+        values = fold_aliases(values, "ChatKVMemory(...)")
+        reject_unknown(values, cls.model_fields, "ChatKVMemory(...)")
+        if "dtype" in values or "device" in values:
+            device = normalize_device(values.get("device"))
+            dtype = normalize_dtype(values.get("dtype", "fp32"))
+            values = {**values, "device": device,
+                      "dtype": ("bf16" if device.startswith("cuda") else "fp32") if dtype == "auto" else dtype}
+        return values
 
     @model_validator(mode="after")
     def _check_settings(self) -> "ChatKVMemory":
         # bad settings fail at construction, naming the fix (pydantic wraps them in a ValidationError)
         _check_call_settings(self.repair_policy, self.max_tokens, self.temperature, self.timeout)
+        self._sampling({})
         return self
+
+    def _sampling(self, kwargs: dict[str, Any]) -> Sampling:
+        """The call's sampling settings: per-call values over the instance's (checked)."""
+        return Sampling(**{name: kwargs.get(name, getattr(self, name)) for name in Sampling.names()})
 
     # ------------------------------------------------------------ identity
     @property
@@ -209,13 +328,25 @@ class ChatKVMemory(BaseChatModel):
         return "kvmemory"
 
     @property
+    def model_name(self) -> str:
+        """The model's name as ``response_metadata["model_name"]`` and ``ls_model_name`` give it:
+        ``"SmolLM2-135M-Instruct"`` for the embedded model, the folder as given, a LoadedModel's name."""
+        return self._name_of(self.model)
+
+    def _name_of(self, model: str) -> str:
+        if self._pinned is not None and model == self.model:
+            return self._pinned.loaded.name
+        return _display_name(model)
+
+    @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "dtype": self.dtype, "engine": self.engine, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "repair_policy": self.repair_policy}
+        return {"model": self.model, "dtype": self.dtype, "engine": self.engine, "device": self.device,
+                "temperature": self.temperature, "max_tokens": self.max_tokens, "repair_policy": self.repair_policy,
+                **{name: getattr(self, name) for name in Sampling.names() if getattr(self, name) is not None}}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
         params = super()._get_ls_params(stop=stop, **kwargs)
-        params.update(ls_provider="kvmemory", ls_model_name=kwargs.get("model", self.model),
+        params.update(ls_provider="kvmemory", ls_model_name=self._name_of(kwargs.get("model") or self.model),
                       ls_temperature=kwargs.get("temperature", self.temperature),
                       ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
         if stop or self.stop:
@@ -223,10 +354,36 @@ class ChatKVMemory(BaseChatModel):
         return params
 
     def _resolve_model_profile(self):
-        return {"max_input_tokens": 8192 if self.model == "smollm2" else None, "text_inputs": True,
-                "image_inputs": False, "audio_inputs": False, "pdf_inputs": False, "video_inputs": False,
-                "text_outputs": True, "tool_calling": True, "tool_choice": True, "structured_output": True,
-                "tool_call_streaming": True, "open_weights": True}
+        """Capabilities, with the context length from the model's config (``max_position_embeddings``
+        of its text config): the loaded model's when pinned, else the folder's ``config.json``
+        (the embedded model: its converted cache folder, converting it on first use)."""
+        if self._pinned is not None:
+            return _profile(self._pinned.loaded.model.config, self.model_name)
+        folder = _model_folder(self.model)
+        if not (folder / "config.json").is_file():
+            return None  # loading names the missing folder and the fix
+        from transformers import AutoConfig
+
+        return _profile(AutoConfig.from_pretrained(folder, local_files_only=True), self.model_name)
+
+    # ------------------------------------------------------------- tokens
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` under the model's tokenizer (no special tokens added)."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return self._runtime_of(self.model).loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Tokens of the prompt the model reads for ``messages``: rendered by its chat template
+        (with the default system prompt the template adds, the tools block when ``tools`` are
+        given and the assistant-turn opener), as a call with these messages would prefill.
+
+        Raises:
+            UnsupportedContentError: non-text content; InputError: a tool LangChain cannot convert.
+        """
+        runtime = self._runtime_of(self.model)
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        return _prompt_tokens(runtime, to_session_messages(messages, runtime.template_tools), formatted)
 
     # ------------------------------------------------------------- threads
     def _runtime_of(self, name: str) -> _Runtime:
@@ -234,7 +391,7 @@ class ChatKVMemory(BaseChatModel):
         else the process-wide one kvmemory loaded from that name or folder."""
         if self._pinned is not None and name == self.model:
             return self._pinned
-        return _runtime(name, self.dtype, self.engine)
+        return _runtime(name, self.dtype, self.engine, self.device)
 
     def threads_for(self, model: str | None = None) -> ThreadCaches:
         """The live-cache registry of ``model`` (default: this instance's model), loading it."""
@@ -280,7 +437,9 @@ class ChatKVMemory(BaseChatModel):
         explicit = kwargs.get("thread_id")
         if explicit is not None:
             return str(explicit)
-        configured = ensure_config().get("configurable", {}).get("thread_id")  # set inside LangGraph nodes
+        configurable = ensure_config().get("configurable", {})  # set inside LangGraph nodes
+        _note_unpersisted(configurable.get(CHECKPOINTER_KEY))
+        configured = configurable.get("thread_id")
         return str(configured) if configured is not None else self.default_thread_id
 
     # The plain Runnable entry points drop config["configurable"] before _generate; carry the
@@ -307,7 +466,7 @@ class ChatKVMemory(BaseChatModel):
                 text += value
                 if run_manager:
                     run_manager.on_llm_new_token(value)
-            else:
+            elif kind == "end":
                 end = value
         message = AIMessage(id=message_id, content=end["content"], tool_calls=end["tool_calls"],
                             invalid_tool_calls=end["invalid_tool_calls"], usage_metadata=end["usage"],
@@ -324,11 +483,19 @@ class ChatKVMemory(BaseChatModel):
                     run_manager.on_llm_new_token(value, chunk=chunk)
                 yield chunk
                 continue
-            calls = [{"name": c["name"], "args": _json(c["args"]), "id": c["id"], "index": i, "type": "tool_call_chunk"}
-                     for i, c in enumerate(value["tool_calls"])]
-            n = len(calls)
-            calls += [{"name": c["name"], "args": c["args"], "id": c["id"], "index": n + i, "type": "tool_call_chunk"}
-                      for i, c in enumerate(value["invalid_tool_calls"])]
+            if kind == "call":
+                chunk = ChatGenerationChunk(message=AIMessageChunk(id=message_id, content="", tool_call_chunks=[value]))
+                if run_manager:
+                    run_manager.on_llm_new_token("", chunk=chunk)
+                yield chunk
+                continue
+            # calls whose chunks were not streamed (a head cut short) come whole with the last chunk
+            streamed, calls = value["streamed_calls"], []
+            for c in value["tool_calls"] + value["invalid_tool_calls"]:
+                if c["id"] not in streamed:
+                    args = _json(c["args"]) if c["type"] == "tool_call" else c["args"]
+                    calls.append({"name": c["name"], "args": args, "id": c["id"], "index": len(streamed) + len(calls),
+                                  "type": "tool_call_chunk"})
             last = AIMessageChunk(id=message_id, content="", tool_call_chunks=calls, usage_metadata=value["usage"],
                                   response_metadata=value["metadata"], chunk_position="last")
             yield ChatGenerationChunk(message=last, generation_info={"finish_reason": value["metadata"]["finish_reason"]})
@@ -336,19 +503,23 @@ class ChatKVMemory(BaseChatModel):
     def _decode(self, messages: Sequence[BaseMessage], stop: list[str] | None, message_id: str,
                 run_manager: CallbackManagerForLLMRun | None, **kwargs: Any) -> Iterator[tuple]:
         """Prepare the thread's cache for ``messages`` and decode, yielding ``("text", delta)``
-        events for streamable text and one final ``("end", result)``. An answer that ended with
-        an end-of-turn token is then held in the cache as a message with id ``message_id``."""
+        events for streamable text, ``("call", chunk)`` for each tool-call chunk completed and one
+        final ``("end", result)``. An answer that ended with an end-of-turn token is then held in
+        the cache as a message with id ``message_id``."""
+        kwargs = fold_aliases(kwargs, "call keyword arguments")
         call = self._plan_call(messages, stop, run_manager, kwargs)
         registry = self.threads_for(call.model_name)
         with registry.lease(call.thread_id, reserve_tokens=self._reserve_tokens(call, registry)) as session:
             policy, report, erased = self._prepare_thread(session, registry, call, kwargs)
+            self._settle_tool_choice(session, call)
+            processors, budget, recorder = self._processors(session, call)
             watcher = _TextWatcher(call.runtime.loaded.tokenizer, call.stops,
                                    watch_calls=bool(call.tools) and call.choice != "none")
             t0 = time.perf_counter()
-            reason = yield from self._stream_tokens(session, watcher, call, kwargs)
-            result = self._result(watcher, report, reason, call.runtime, call.thread_id,
+            reason = yield from self._stream_tokens(session, watcher, call, processors)
+            result = self._result(watcher, report, reason, call.model_name, call.logical_thread,
                                   (time.perf_counter() - t0) * 1000.0)
-            self._annotate(result, call, policy, erased)
+            self._annotate(result, call, policy, erased, watcher, budget, recorder)
             if reason == "stop" and not watcher.stopped:  # ended with an end-of-turn token
                 answer = AIMessage(id=message_id, content=result["content"], tool_calls=result["tool_calls"])
                 session.commit_answer(session_message(answer, call.runtime.template_tools))
@@ -360,45 +531,60 @@ class ChatKVMemory(BaseChatModel):
     def _plan_call(self, messages: Sequence[BaseMessage], stop: list[str] | None,
                    run_manager: CallbackManagerForLLMRun | None, kwargs: dict[str, Any]) -> "_Call":
         """Everything a call decides before it touches the thread: settings (checked first, so a
-        refused call leaves the thread as it was), tools and tool choice, grammar, messages,
-        stops, answer length, timeout and thread id.
+        refused call leaves the thread as it was), sampling, tools and tool choice, grammar,
+        messages, stops, answer length, timeout, thread id and the thread's cache slot.
 
         Raises:
-            MessageError: no messages. InputError / InputTypeError: bad per-call settings.
+            MessageError: no messages. InputError / InputTypeError: bad or unknown per-call settings.
         """
         if not messages:
             raise MessageError("no messages: pass at least one message (e.g. a HumanMessage)")
+        reject_unknown(kwargs, CALL_KEYS | set(Sampling.names()), "call keyword arguments")
         _check_call_settings(kwargs.get("repair_policy"), kwargs.get("max_tokens"), kwargs.get("temperature"),
                              kwargs.get("timeout"))
+        sampling = self._sampling(kwargs)
         model_name = kwargs.get("model") or self.model
         runtime = self._runtime_of(model_name)
         tools = kwargs.get("tools") or None
         choice = _tool_choice(kwargs.get("tool_choice"), tools)
-        if choice == "auto" and self.auto_tool_calls == "after_user" and isinstance(messages[-1], HumanMessage):
-            choice = "required"
-        response_format = kwargs.get("response_format") or {}
+        requested = response_schema(kwargs.get("response_format"))
+        schema = requested[1] if requested else None
+        scored = False
+        if choice == "auto" and self.auto_tool_calls in ("after_user", "scored"):
+            # the ReAct policy: a call after a user turn; after a tool result, the answer (JSON when asked)
+            choice = "required" if isinstance(messages[-1], HumanMessage) else ("none" if requested else "auto")
+            # scored: a user turn after a tool round calls only when the model rates a call likely
+            scored = self.auto_tool_calls == "scored" and choice == "required"
+        parallel = bool(kwargs.get("parallel_tool_calls", self.parallel_tool_calls))
+        session_messages = to_session_messages(messages, runtime.template_tools, schema)
         thread_id = self._thread_id(kwargs)
         if run_manager is not None and (run_manager.metadata or {}).get("lc_source") == "summarization":
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
+        prompt, head_tokens = prompt_ids(runtime.loaded.tokenizer, session_messages, tools)
+        slot, _ = pick_slot(self.threads_for(model_name), thread_id, prompt, head_tokens, self.cache_slots)
         return _Call(
             model_name=model_name, runtime=runtime, tools=tools, choice=choice,
-            grammar=self._grammar(runtime, tools, choice, kwargs.get("response_format")),
-            messages=to_session_messages(messages, runtime.template_tools, response_format.get("schema")),
+            grammar=None if scored else self._grammar(runtime, tools, choice, requested, parallel),
+            messages=session_messages,
             stops=[s for s in (stop if stop is not None else self.stop) or [] if s],
             max_tokens=int(kwargs.get("max_tokens") or self.max_tokens),
-            timeout=kwargs.get("timeout", self.timeout), thread_id=thread_id,
+            timeout=kwargs.get("timeout", self.timeout), thread_id=slot, logical_thread=thread_id,
+            prompt=prompt, requested=requested, parallel=parallel, scored=scored,
+            has_tool_results=any(isinstance(m, ToolMessage) for m in messages), sampling=sampling,
+            fixed_allowance=FIXED_TOKEN_ALLOWANCE if (tools or requested) else 0,
+            seed=kwargs.get("seed", self.seed),
         )
 
     @staticmethod
     def _reserve_tokens(call: "_Call", registry: ThreadCaches) -> int:
-        """Rows the call may hold (prompt + answer + end-of-turn slack), reserved against the
-        registry's memory budget before the call runs (0 without a budget)."""
+        """Rows the call may hold (prompt + answer + grammar-fixed allowance + end-of-turn slack),
+        reserved against the registry's memory budget before the call runs (0 without a budget)."""
         if registry.memory_budget_bytes is None:
             return 0
-        return _prompt_tokens(call.runtime, call.messages, call.tools) + call.max_tokens + RESERVE_SLACK
+        return len(call.prompt) + call.max_tokens + call.fixed_allowance + RESERVE_SLACK
 
     def _prepare_thread(self, session, registry: ThreadCaches, call: "_Call", kwargs: dict[str, Any]):
-        """Bring the leased thread's cache to the call's messages under its repair policy (raised
+        """Bring the leased slot's cache to the call's messages under its repair policy (raised
         by the fidelity guard where it escalated), purge a strict erase from the stores, and let
         the guard sample the repair. Returns ``(policy, report, erase metadata or None)``."""
         guard = self.guard_for(call.model_name)
@@ -408,23 +594,47 @@ class ChatKVMemory(BaseChatModel):
         # the session renders the tools: through the template or folded (kvmemory.prompt)
         report = session.prepare(call.messages, policy=policy, erase=kwargs.get("erase") or self.erase,
                                  tools=call.tools)
-        erased = _erase_everywhere(registry, call.thread_id, session, report)
+        erased = _erase_everywhere(registry, call.logical_thread, call.thread_id, session, report)
         if guard is not None:
             guard.observe(call.thread_id, session, report)
         return policy, report, erased
 
-    def _stream_tokens(self, session, watcher: "_TextWatcher", call: "_Call", kwargs: dict[str, Any]):
-        """Decode from the live cache, yielding ``("text", delta)``; returns the finish reason:
-        ``stop`` (a stop string, or the model's end of turn), ``length`` or ``timeout``."""
-        tokens = session.stream_tokens(call.max_tokens, temperature=float(kwargs.get("temperature", self.temperature)),
-                                       seed=kwargs.get("seed", self.seed),
-                                       logits_processor=processor(call.grammar) if call.grammar is not None else None)
+    def _settle_tool_choice(self, session, call: "_Call") -> None:
+        """Under ``auto_tool_calls="scored"``: decide call or text from the prepared cache
+        (:func:`tool_policy.scored_choice`) and set the call's choice, grammar and gap."""
+        if not call.scored:
+            return
+        call.choice, call.call_gap = scored_choice(session, call.has_tool_results, self.call_margin)
+        call.grammar = self._grammar(call.runtime, call.tools, call.choice, call.requested, call.parallel)
+
+    def _processors(self, session, call: "_Call"):
+        """The call's logits processors: grammar, answer budget (grammar-fixed tokens are not
+        charged), sampling settings and the log-probability recorder. Returns
+        ``(processors, budget, recorder or None)``."""
+        constrain = processor(call.grammar) if call.grammar is not None else None
+        budget = AnswerBudget(call.max_tokens, constrain)
+        processors = call.sampling.processors([constrain, budget], len(session.token_ids))
+        recorder = None
+        if call.sampling.logprobs:
+            recorder = LogprobRecorder(call.runtime.loaded.tokenizer, call.sampling.top_logprobs or 0)
+            processors.append(recorder)
+        return processors, budget, recorder
+
+    def _stream_tokens(self, session, watcher: "_TextWatcher", call: "_Call", processors: list):
+        """Decode from the live cache, yielding ``("text", delta)`` and ``("call", chunk)``;
+        returns the finish reason: ``stop`` (a stop string, or the model's end of turn),
+        ``length`` or ``timeout``."""
+        tokens = session.stream_tokens(call.max_tokens + call.fixed_allowance,
+                                       temperature=call.sampling.pick_temperature, seed=call.seed,
+                                       logits_processor=processors or None)
         t0, reason = time.perf_counter(), "length"
         try:
-            for token in tokens:
+            for token in _until_spent(tokens):
                 delta = watcher.add(token)
                 if delta:
                     yield "text", delta
+                for chunk in watcher.call_chunks():
+                    yield "call", chunk
                 if watcher.stopped:
                     reason = "stop"
                     break
@@ -439,33 +649,46 @@ class ChatKVMemory(BaseChatModel):
             tokens.close()
         return reason
 
-    def _annotate(self, result: dict[str, Any], call: "_Call", policy: RepairPolicy, erased: dict | None) -> None:
-        """Add the strict-erase and fidelity-guard entries to the response metadata."""
+    def _annotate(self, result: dict[str, Any], call: "_Call", policy: RepairPolicy, erased: dict | None,
+                  watcher: "_TextWatcher", budget: AnswerBudget, recorder: LogprobRecorder | None) -> None:
+        """Add the cache slot, grammar-fixed tokens, scored tool policy, log-probabilities,
+        strict-erase and fidelity-guard entries to the response metadata."""
+        metadata = result["metadata"]
+        metadata["cache_slot"] = call.thread_id
+        metadata["grammar_fixed_tokens"] = budget.fixed(watcher.count)
+        if call.scored:
+            metadata["tool_policy"] = {"policy": "scored", "choice": call.choice, "call_gap_nats": call.call_gap,
+                                       "margin_nats": self.call_margin}
+        if recorder is not None:
+            metadata["logprobs"] = {"content": recorder.entries(watcher.ids)}
         if erased is not None:
-            result["metadata"]["erase"] = erased
+            metadata["erase"] = erased
         guard = self.guard_for(call.model_name)
         if guard is not None:
-            result["metadata"]["guard"] = {**guard.thread_info(call.thread_id), "policy": policy.label}
+            metadata["guard"] = {**guard.thread_info(call.thread_id), "policy": policy.label}
 
-    def _grammar(self, runtime: _Runtime, tools, choice: str | None, response_format: dict | None):
-        if response_format is not None:
-            schema = response_format.get("schema")
-            return runtime.grammars.json_schema(schema) if schema else runtime.grammars.json_object()
+    def _grammar(self, runtime: _Runtime, tools, choice: str | None, requested: tuple | None, parallel: bool):
+        """The grammar of the answer: tool calls under ``choice`` (with the answer's JSON schema
+        when one is requested too), else the requested JSON, else None (free text)."""
+        schema = requested[1] if requested else None
         if tools and choice is not None:
-            return runtime.grammars.tool_calls(tools, choice)
+            answer = schema if schema is not None else ({"type": "object"} if requested else None)
+            return runtime.grammars.tool_calls(tools, choice, parallel=parallel, answer_schema=answer)
+        if requested is not None:
+            return runtime.grammars.json_schema(schema) if schema is not None else runtime.grammars.json_object()
         return None
 
-    def _result(self, watcher: "_TextWatcher", report, reason: str, runtime: _Runtime, thread_id: str,
+    def _result(self, watcher: "_TextWatcher", report, reason: str, model_name: str, thread_id: str,
                 decode_ms: float) -> dict[str, Any]:
         if watcher.watch_calls and CALL_OPEN in watcher.text:
-            content, calls, invalid = split_calls(watcher.text)
+            content, calls, invalid = split_calls(watcher.text, watcher.calls.ids)
         else:
             content, calls, invalid = watcher.text, [], []
         usage = {"input_tokens": report.prompt_tokens, "output_tokens": watcher.count,
                  "total_tokens": report.prompt_tokens + watcher.count,
                  "input_token_details": {"cache_read": report.reused_tokens}}
         metadata = {
-            "model_name": runtime.loaded.name,
+            "model_name": self._name_of(model_name),  # = self.model_name and ls_model_name
             "model_provider": "kvmemory",
             "finish_reason": "tool_calls" if calls else reason,
             "thread_id": thread_id,
@@ -473,7 +696,7 @@ class ChatKVMemory(BaseChatModel):
             "decode_ms": decode_ms,
         }
         return {"content": content, "tool_calls": calls, "invalid_tool_calls": invalid, "usage": usage,
-                "metadata": metadata}
+                "metadata": metadata, "streamed_calls": set(watcher.calls.ids)}
 
     # ------------------------------------------------------- tools, schema
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
@@ -524,7 +747,7 @@ class ChatKVMemory(BaseChatModel):
                 raise ValueError("method='function_calling' needs a schema (pydantic class, TypedDict or dict)")
             tool = convert_to_openai_tool(schema)
             name = tool["function"]["name"]
-            llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format={
+            llm = self.bind_tools([tool], tool_choice=name, parallel_tool_calls=False, ls_structured_output_format={
                 "kwargs": {"method": method, "strict": strict}, "schema": tool})
             parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic
                                 else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
@@ -555,6 +778,7 @@ class _TextWatcher:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.calls = CallStream()
 
     @property
     def count(self) -> int:
@@ -572,6 +796,12 @@ class _TextWatcher:
         if self.stopped:
             return ""
         return self._release(self._safe_end(text))
+
+    def call_chunks(self) -> list[dict[str, Any]]:
+        """Tool-call chunks the last token completed (see :class:`CallStream`)."""
+        if not self.watch_calls or CALL_OPEN not in self.text:
+            return []
+        return self.calls.update(self.text)
 
     def _safe_end(self, text: str) -> int:
         end = len(text) - (1 if text.endswith("\ufffd") else 0)  # an incomplete UTF-8 character
@@ -621,12 +851,14 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
     return name
 
 
-def _erase_everywhere(registry: ThreadCaches, thread_id: str, session, report) -> dict | None:
-    """After a strict-erase repair: drop the thread's side caches and purge the erased messages
-    from every checkpoint store persisting ``registry``. Returns the response metadata entry."""
+def _erase_everywhere(registry: ThreadCaches, thread_id: str, slot: str, session, report) -> dict | None:
+    """After a strict-erase repair in cache ``slot`` of ``thread_id``: drop the thread's other
+    caches (side caches, other slots) and purge the erased messages from every checkpoint store
+    persisting ``registry``. Returns the response metadata entry."""
     if report.erased is None:
         return None
-    dropped = [tid for tid in registry.thread_ids if tid.startswith(thread_id + "/") and registry.drop(tid)]
+    dropped = [tid for tid in registry.thread_ids
+               if tid != slot and (tid == thread_id or tid.startswith(thread_id + "/")) and registry.drop(tid)]
     stores, ids = [], session.take_erasures()
     for saver in list(registry.erase_stores):
         try:
@@ -665,11 +897,37 @@ def _check_call_settings(policy, max_tokens, temperature, timeout) -> None:
 
 
 def _prompt_tokens(runtime: _Runtime, session_messages, tools) -> int:
-    """Tokens of the rendered prompt: the rows the thread's cache holds once prepared (so the call
-    can reserve its share of the memory budget before it runs). Raises what rendering raises."""
+    """Tokens of the rendered prompt: the rows the thread's cache holds once prepared
+    (``get_num_tokens_from_messages``; a call counts them with ``slots.prompt_ids``). Raises what
+    rendering raises."""
     tokenizer = runtime.loaded.tokenizer
     text = render_text(tokenizer, normalize_messages(session_messages), tools=tools)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+_NOTED_SAVERS: set[type] = set()
+
+
+def _note_unpersisted(saver: Any) -> None:
+    """Log once per saver class that a plain LangGraph checkpointer does not persist live caches
+    (a restarted process re-prefills each thread): wrap it in KVCheckpointSaver to keep them."""
+    if saver is None or type(saver) in _NOTED_SAVERS:
+        return
+    from .checkpointer import KVCheckpointSaver  # the checkpointer imports this module's package
+
+    if not isinstance(saver, KVCheckpointSaver):
+        _NOTED_SAVERS.add(type(saver))
+        log.warning("kvmemory: the graph's checkpointer %s does not persist live KV caches (after a restart each "
+                    "thread re-prefills): wrap it, KVCheckpointSaver(saver, chat_model), to store them with the "
+                    "checkpoints", type(saver).__name__)
+
+
+def _until_spent(tokens: Iterator[int]) -> Iterator[int]:
+    """``tokens`` until the answer budget is spent (AnswerBudget raises before the pick)."""
+    try:
+        yield from tokens
+    except BudgetSpent:
+        return
 
 
 def _with_thread(config, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import threading
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence
@@ -147,6 +148,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.erase_reports: dict[str, EraseReport] = {}  # thread id -> its last strict-erase purge
         self._pending_erase: dict[str, set[str]] = {}  # ids erased but still in the thread's newest checkpoint
         self._evicted: dict[str, tuple[BlobRef, dict]] = {}  # thread id -> (blob, metadata entry) when evicted
+        self._erase_lock = threading.RLock()
         if self.threads is not None:
             self.threads.erase_stores.add(self)
             self._persist_on_evict()
@@ -343,7 +345,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         Raises:
             sqlite3.Error / OSError: the store could not be rewritten (nothing is reported erased).
         """
-        tid, ids = str(thread_id), {str(i) for i in message_ids}
+        with self._erase_lock:  # the put hook (a background thread) and a model call may purge at once
+            return self._erase_messages(str(thread_id), {str(i) for i in message_ids}, live_clean, during_run, recheck)
+
+    def _erase_messages(self, tid: str, ids: set[str], live_clean: bool, during_run: bool,
+                        recheck: bool) -> EraseReport:
         report = EraseReport(tid, sorted(ids))
         newest = self.saver.get_tuple({"configurable": {"thread_id": tid, "checkpoint_ns": ""}})
         current = current_versions(newest.checkpoint["channel_values"], ids) if newest is not None else {}
@@ -415,11 +421,17 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         return bool(self.threads.session(tid).pending_erasures or self._pending_erase.get(tid))
 
     def _purge_after_put(self, config: RunnableConfig) -> None:
-        """After a root checkpoint of a live thread: purge what its cache strictly erased since."""
+        """After a root checkpoint of a live thread: purge what its cache strictly erased since.
+
+        A session's erasures are taken only while its thread is idle: during a call the caller
+        holding the lease (the chat model) purges them itself and reports it, so the two never
+        race for the same ids."""
         if not self._erasures_due(config):
             return
         tid = _thread_and_ns(config)[0]
-        ids = set(self.threads.session(tid).take_erasures()) | self._pending_erase.pop(tid, set())
+        with self.threads.idle(tid) as session:
+            taken = session.take_erasures() if session is not None else []
+        ids = set(taken) | self._pending_erase.pop(tid, set())
         if ids:
             try:
                 self.erase_messages(tid, ids, live_clean=True, during_run=True)

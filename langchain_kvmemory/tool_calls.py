@@ -21,9 +21,12 @@ from typing import Any
 
 from kvmemory.prompt import CALL_CLOSE, CALL_OPEN, DEFAULT_SYSTEM, format_call, template_renders_tools, tools_block
 
-__all__ = ["CALL_CLOSE", "CALL_OPEN", "DEFAULT_SYSTEM", "format_call", "new_call_id", "schema_block", "split_calls",
-           "template_renders_tools", "tools_block"]
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "DEFAULT_SYSTEM", "CallStream", "format_call", "new_call_id", "schema_block",
+           "split_calls", "template_renders_tools", "tools_block"]
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
+# the head of a call as the grammar writes it, up to where its arguments begin
+_HEAD_RE = re.compile(re.escape(CALL_OPEN) + r'\n\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+CALL_TAIL = "}\n" + CALL_CLOSE  # what the grammar writes after a call's arguments
 
 
 def schema_block(schema: dict[str, Any]) -> str:
@@ -31,44 +34,85 @@ def schema_block(schema: dict[str, Any]) -> str:
     return "Answer with only a JSON object that follows this JSON schema:\n" + json.dumps(schema, ensure_ascii=False)
 
 
-def split_calls(text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+def split_calls(text: str, ids: list[str] | None = None) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
     """Split generated text into (content, tool_calls, invalid_tool_calls).
 
     ``content`` is the text outside ``<tool_call>`` blocks (stripped). Each valid call is
     ``{"name", "args", "id", "type": "tool_call"}`` with a fresh non-empty id; a block that does
     not parse as ``{"name": str, "arguments": object}`` becomes an invalid tool call (with the
     raw text and the error), never silently dropped. An unterminated block (decoding stopped at
-    ``max_tokens``) is invalid too.
+    ``max_tokens``) is invalid too. ``ids``: the ids already given to the blocks, in order
+    (streamed as tool-call chunks); blocks beyond them get fresh ids.
     """
     calls, invalid = [], []
+    given = iter(ids or [])
     for match in _CALL_RE.finditer(text):
-        _parse_block(match.group(1), calls, invalid)
+        _parse_block(match.group(1), calls, invalid, next(given, None) or new_call_id())
     content = _CALL_RE.sub("", text)
     open_at = content.find(CALL_OPEN)
     if open_at >= 0:  # an unterminated call
         invalid.append(_invalid(None, content[open_at + len(CALL_OPEN):].strip(), "tool call not terminated "
-                                "(decoding stopped, e.g. at max_tokens): raise max_tokens"))
+                                "(decoding stopped, e.g. at max_tokens): raise max_tokens", next(given, None)))
         content = content[:open_at]
     return content.strip(), calls, invalid
 
 
-def _parse_block(raw: str, calls: list, invalid: list) -> None:
+class CallStream:
+    """Tool-call chunks of an answer while it is decoded: once a call's head (its name) is
+    complete, a chunk ``{"name", "args": "", "id", "index"}``; then its arguments as they grow
+    (``{"name": None, "args": delta, "id": None, "index"}``), holding back text that may still be
+    the call's closing ``}`` + ``</tool_call>``. Merged, the chunks give the calls' JSON."""
+
+    def __init__(self):
+        self.ids: list[str] = []
+        self._sent: list[int] = []  # argument characters sent per call
+
+    def update(self, text: str) -> list[dict[str, Any]]:
+        """Chunks for what ``text`` (the whole answer so far) adds."""
+        chunks = []
+        for index, head in enumerate(_HEAD_RE.finditer(text)):
+            if index == len(self.ids):
+                self.ids.append(new_call_id())
+                self._sent.append(0)
+                chunks.append(_chunk(json.loads(head.group(1)), "", self.ids[index], index))
+            rest = text[head.end():]
+            closed = rest.find(CALL_TAIL)
+            args = rest[:closed] if closed >= 0 else rest[: len(rest) - _held_back(rest)]
+            if len(args) > self._sent[index]:
+                chunks.append(_chunk(None, args[self._sent[index]:], None, index))
+                self._sent[index] = len(args)
+        return chunks
+
+
+def _held_back(text: str) -> int:
+    """Length of the longest end of ``text`` that may begin CALL_TAIL."""
+    for k in range(min(len(CALL_TAIL), len(text)), 0, -1):
+        if text.endswith(CALL_TAIL[:k]):
+            return k
+    return 0
+
+
+def _chunk(name: str | None, args: str, call_id: str | None, index: int) -> dict[str, Any]:
+    return {"name": name, "args": args, "id": call_id, "index": index, "type": "tool_call_chunk"}
+
+
+def _parse_block(raw: str, calls: list, invalid: list, call_id: str) -> None:
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
-        invalid.append(_invalid(None, raw, f"not JSON: {exc}"))
+        invalid.append(_invalid(None, raw, f"not JSON: {exc}", call_id))
         return
     name = obj.get("name") if isinstance(obj, dict) else None
     args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
     if not isinstance(name, str) or not isinstance(args, dict):
         invalid.append(_invalid(name if isinstance(name, str) else None, raw,
-                                'expected {"name": <string>, "arguments": <object>}'))
+                                'expected {"name": <string>, "arguments": <object>}', call_id))
         return
-    calls.append({"name": name, "args": args, "id": new_call_id(), "type": "tool_call"})
+    calls.append({"name": name, "args": args, "id": call_id, "type": "tool_call"})
 
 
-def _invalid(name: str | None, raw: str, error: str) -> dict[str, Any]:
-    return {"name": name, "args": raw, "id": new_call_id(), "error": error, "type": "invalid_tool_call"}
+def _invalid(name: str | None, raw: str, error: str, call_id: str | None = None) -> dict[str, Any]:
+    return {"name": name, "args": raw, "id": call_id or new_call_id(), "error": error, "type": "invalid_tool_call"}
 
 
 def new_call_id() -> str:

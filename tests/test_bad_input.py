@@ -244,6 +244,8 @@ BAD_CHAT_CALLS = {
     "stream with bad budget": (lambda llm, cfg: list(llm.stream(HISTORY_LC, cfg, repair_policy="sur@-3")), InputError,
                                r"\[0, 100\]"),
     "empty history": (lambda llm, cfg: llm.invoke([], cfg), MessageError, "no messages"),
+    "unknown setting": (lambda llm, cfg: llm.invoke(HISTORY_LC, cfg, top_q=0.5), InputError, "did you mean 'top_p'"),
+    "top_p out of range": (lambda llm, cfg: llm.invoke(HISTORY_LC, cfg, top_p=2.0), InputError, "top_p"),
 }
 
 

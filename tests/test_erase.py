@@ -325,6 +325,27 @@ async def test_async_sqlite_saver_is_purged_by_an_explicit_erase(tmp_path, token
     assert SECRET.encode() not in _wal(db)
 
 
+def test_a_put_during_a_call_leaves_the_erasures_to_the_caller(tmp_path, tokenizer, llama):
+    """A checkpoint written in the background while a call holds the thread does not take the
+    call's erasures (the caller purges and reports them); the next put on the idle thread does."""
+    from langgraph.checkpoint.base import empty_checkpoint
+
+    from kvmemory.threads import ThreadCaches
+
+    registry = ThreadCaches(llama, tokenizer, "sur@5")
+    messages = [{"role": "user", "content": SECRET, "id": "secret"}, {"role": "user", "content": "Hi.", "id": "h"}]
+    config = {"configurable": {"thread_id": "t", "checkpoint_ns": ""}}
+    with KVCheckpointSaver.from_sqlite(tmp_path / "p.sqlite", registry) as saver:
+        with registry.lease("t") as session:
+            session.prepare(messages)
+            session.prepare(messages[1:], erase="strict")
+            assert session.pending_erasures == ["secret"]
+            saver.put(config, empty_checkpoint(), {}, {})
+            assert session.pending_erasures == ["secret"] and "t" not in saver.erase_reports
+        saver.put(config, empty_checkpoint(), {}, {})
+        assert registry.session("t").pending_erasures == [] and saver.erase_reports["t"].messages == ["secret"]
+
+
 def test_a_graph_driving_the_registry_directly_is_purged_at_the_next_put(tmp_path, tokenizer, llama):
     """Without the chat model, the erasures a session queues are purged when the saver stores
     the next checkpoint of the thread."""

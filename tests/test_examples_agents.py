@@ -54,3 +54,16 @@ def test_long_chat_summary_is_a_budgeted_repair(real, tmp_path):
     assert hop["fallback"] is None and hop["operator"] == "sur@5" and hop["edits"].get("replace") == 1
     assert hop["stale"] > 0 and 0 < hop["refreshed"] < hop["stale"] and hop["reused"] > 0  # Shift + budgeted SUR
     assert (tmp_path / "chat.sqlite.kvcache").is_dir()  # the live cache was checkpointed beside the db
+
+
+@pytest.mark.real_model
+def test_weather_agent_is_an_ordinary_create_agent_run(real):
+    from langchain_kvmemory import ChatKVMemory
+
+    example = _load("weather_agent")
+    llm = ChatKVMemory(model=real, max_tokens=40, auto_tool_calls="scored", parallel_tool_calls=False)
+    out = example.run(example.parser().parse_args(["--city", "Oslo"]), llm=llm)
+    call = out["messages"][1].tool_calls[0]
+    assert call["name"] == "get_weather" and call["args"] == {"city": "Oslo"}
+    assert out["messages"][2].content == example.WEATHER["Oslo"]
+    assert isinstance(out["report"], example.WeatherReport) and out["report"].city == "Oslo"

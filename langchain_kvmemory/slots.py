@@ -1,0 +1,65 @@
+"""Several live caches per thread, one per distinct prompt head (like llama.cpp's slots).
+
+A graph whose model nodes call the same thread with different system prompts (a router and an
+answerer) would otherwise edit message 0 of one cache on every call: each node's prompt is
+recomputed and the history rows after it were computed under the other prompt (repaired only up
+to the budget). Here each call goes to the thread's cache whose token ids share the longest exact
+prefix with the new prompt; when none shares the prompt's head (its system message, as rendered
+with the tools; a prompt without one has no head of its own), a new slot ``<thread>/slot-<k>`` opens, up to ``max_slots`` per thread (then the
+least recently used slot is taken over and repaired as an edit). Slots are ordinary entries of the
+:class:`kvmemory.threads.ThreadCaches` registry, so the memory budget counts them and evicts them
+least-recently-used first; strict erase drops them with the thread's other side caches.
+"""
+
+from __future__ import annotations
+
+from kvmemory.prompt import normalize_messages, render_text
+from kvmemory.threads import ThreadCaches
+
+SLOT_SEP = "/slot-"
+
+
+def prompt_ids(tokenizer, session_messages, tools) -> tuple[list[int], int]:
+    """Token ids of the rendered prompt, and the length of its head (the first message rendered
+    alone, tools included, without the assistant opener). Raises what rendering raises."""
+    messages = normalize_messages(session_messages)
+    full = tokenizer(render_text(tokenizer, messages, tools=tools), add_special_tokens=False)["input_ids"]
+    if not messages or messages[0].role != "system":
+        return full, 0  # no prompt head of the caller's: any slot of the thread serves (edits are repaired)
+    head = render_text(tokenizer, messages[:1], tools=tools, generation_prompt=False)
+    return full, len(tokenizer(head, add_special_tokens=False)["input_ids"])
+
+
+def pick_slot(registry: ThreadCaches, thread_id: str, prompt: list[int], head_tokens: int,
+              max_slots: int) -> tuple[str, int]:
+    """The registry id whose cache serves this prompt, and its exact prefix reuse in tokens.
+
+    Args:
+        registry: the model's live caches. thread_id: the LangGraph thread.
+        prompt: the prompt's token ids. head_tokens: tokens a slot must share to serve it.
+        max_slots: live caches one thread may hold (1 = one cache per thread, edits repaired).
+    """
+    live = [tid for tid in registry.thread_ids if tid == thread_id or tid.startswith(thread_id + SLOT_SEP)]
+    if max_slots <= 1 or not live:
+        return thread_id, 0
+    reuse = {tid: _shared(registry, tid, prompt) for tid in live}  # live: least recently used first
+    best = max(live, key=lambda tid: reuse[tid])
+    if reuse[best] >= max(1, head_tokens - 1):  # the head's last row may tokenize with what follows
+        return best, reuse[best]
+    if len(live) < max_slots:
+        names = [thread_id] + [f"{thread_id}{SLOT_SEP}{k}" for k in range(1, max_slots)]
+        return next(n for n in names if n not in live), 0
+    return live[0], reuse[live[0]]
+
+
+def _shared(registry: ThreadCaches, tid: str, prompt: list[int]) -> int:
+    session = registry.get(tid)
+    if session is None:
+        return -1
+    ids = list(session.token_ids)  # a snapshot: a call may be running on that slot
+    n = 0
+    for a, b in zip(ids, prompt):
+        if a != b:
+            break
+        n += 1
+    return n
