@@ -152,6 +152,15 @@ class KVSession:
         return list(self.rendered.messages) if self.rendered else []
 
     @property
+    def state_version(self) -> tuple:
+        """A value that changes whenever the cache changes (for persistence: is the stored copy
+        still this state?). A repair or prefill builds a new rendering, decoding adds token ids,
+        an import replaces the cache object, CacheReforge maintenance rewrites layers in place
+        under a new adapter version. Only equality between two reads is meaningful."""
+        return (id(self.cache), len(self.token_ids), self.exact_rows, id(self.rendered),
+                self.next_logits is None, tuple(self.reforge.anchors.layer_versions), self.reforge.logits_version)
+
+    @property
     def memory_bytes(self) -> int:
         """Bytes held for this conversation: the cache's storage (K/V rows; for a quantized cache
         its packed payload, scales and residual buffer, see :func:`kvcache.cache_nbytes`) plus

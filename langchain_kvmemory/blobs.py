@@ -107,7 +107,7 @@ class BlobStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        _fsync_dir(target.parent)  # the rename itself is durable before a checkpoint names the blob
+        fsync_dir(target.parent)  # the rename itself is durable before a checkpoint names the blob
         return ref
 
     def _mkdirs(self, folder: Path) -> None:
@@ -115,9 +115,9 @@ class BlobStore:
             return
         new_root = not self.root.is_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        _fsync_dir(self.root)  # a new shard folder's entry must survive a power loss too
+        fsync_dir(self.root)  # a new shard folder's entry must survive a power loss too
         if new_root:
-            _fsync_dir(self.root.parent)
+            fsync_dir(self.root.parent)
 
     def get(self, ref: BlobRef) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Load and verify a blob: size, then sha256 of the bytes, then the safetensors header.
@@ -202,7 +202,7 @@ def _holds(target: Path, ref: BlobRef) -> bool:
         return False
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make a rename or a new entry in ``folder`` durable (POSIX; a no-op where folders cannot be opened)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -210,8 +210,8 @@ def _fsync_dir(folder: Path) -> None:
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass  # e.g. Windows or filesystems that refuse fsync on folders
+    except OSError:  # e.g. Windows or filesystems that refuse fsync on folders: nothing more to do
+        return
     finally:
         os.close(fd)
 

@@ -144,7 +144,7 @@ class BlockPersistence:
         wanted = {b.key for b in manifest.blocks}
         mine: list[BlockRef] = []
         known = self.live_blocks.get(tid)
-        if known is not None and known[0] == _live_fingerprint(live):
+        if known is not None and known[0] == live.state_version:
             mine = known[1]
         elif live.token_ids and (versions := live.reforge.export_versions()) is not None:
             probe = CacheState(token_ids=[], messages=[], tools=None, exact_rows=0, layers=[],
@@ -282,10 +282,6 @@ def _lease_name(tid: str) -> str:
     return hashlib.sha256(str(tid).encode()).hexdigest()[:32]
 
 
-def _live_fingerprint(session) -> tuple:
-    from .checkpointer import _fingerprint
-
-    return _fingerprint(session)
 
 
 def _message_starts(session) -> list[int] | None:

@@ -32,7 +32,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .blobs import _fsync_dir
+from .blobs import fsync_dir
 from .erase import shred_file
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class FilesystemBlockStore(BlockStore):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         return True
 
     def get(self, key: str) -> bytes:

@@ -522,7 +522,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     def _write_state(self, tid: str, session) -> dict:
         """Store ``session``'s state unless unchanged since the last store (e.g. a tool step);
         the caller holds the thread's lock. Returns the metadata entry."""
-        fingerprint = _fingerprint(session)
+        fingerprint = session.state_version
         last = self._stored.get(tid)
         if last is not None and last[0] == fingerprint and self._present(last[1]):
             return last[2]
@@ -618,7 +618,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         except CacheStateError as exc:
             self._reject(tid, "incompatible", str(exc), ref)
             return False
-        fingerprint = _fingerprint(session)
+        fingerprint = session.state_version
         self.blocks.adopt(tid, fingerprint, info["block_refs"])
         if info["error"]:
             self.restore_failures[tid] = f"partial: {info['error']} (resumed from {len(state.token_ids)} rows)"
@@ -683,7 +683,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.restore_failures.pop(tid, None)
         self._evicted.pop(tid, None)
         self.restored_from[tid] = ref.sha256
-        self._stored[tid] = (_fingerprint(self.threads.session(tid)), ref, {**ref.to_dict(), "tokens": len(state.token_ids)})
+        self._stored[tid] = (self.threads.session(tid).state_version, ref, {**ref.to_dict(), "tokens": len(state.token_ids)})
         log.info("kvmemory: thread %r resumes from its stored cache (%d tokens, blob %s)",
                  tid, len(state.token_ids), ref.sha256[:12])
         return True
@@ -694,14 +694,6 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.restore_failures[tid] = f"{reason}: {detail}"
         log.warning("kvmemory: thread %r: stored cache not used (%s: %s); its next turn re-prefills from the "
                     "checkpointed messages", tid, reason, detail)
-
-
-def _fingerprint(session) -> tuple:
-    """Changes whenever the session's cache changes: a repair or prefill builds a new rendering,
-    decoding adds token ids, an import replaces the cache object, CacheReforge maintenance
-    rewrites layers in place under a new adapter version (so the stored blob's versions follow)."""
-    return (id(session.cache), len(session.token_ids), session.exact_rows, id(session.rendered),
-            session.next_logits is None, tuple(session.reforge.anchors.layer_versions), session.reforge.logits_version)
 
 
 def _sha_of(metadata) -> str | None:

@@ -16,7 +16,7 @@ from langchain_core.messages import HumanMessage, SystemMessage
 from kvmemory.threads import ThreadCaches
 from langchain_kvmemory.blobs import BlobStore
 from langchain_kvmemory.checkpointer import CACHE_KEY, KVCheckpointSaver
-from kvmemory_lab.harness.crash import Journal, Life, Tally, _spawn, check_messages, run_crash_profile
+from kvmemory_lab.harness.crash import Journal, Life, Tally, spawn_life, check_messages, run_crash_profile
 from support import answer_graph, tiny_model
 
 CONFIG = {"configurable": {"thread_id": "t-1"}}
@@ -30,9 +30,9 @@ def llama():
 # ------------------------------------------------------------- real kills, chosen points
 def _kill_at(work: Path, point: str) -> Life:
     """A child that ran one clean operation, then a child killed at ``point`` (real SIGKILL)."""
-    first = _spawn(Life(model="tiny-a"), work, seed=3, ops=1)
+    first = spawn_life(Life(model="tiny-a"), work, seed=3, ops=1)
     assert first.returncode == 0, first.stderr
-    killed = _spawn(Life(model="tiny-a", kill_at=point, hit=1, delay_s=5.0), work, seed=3)
+    killed = spawn_life(Life(model="tiny-a", kill_at=point, hit=1, delay_s=5.0), work, seed=3)
     assert killed.returncode == -signal.SIGKILL
     assert {"event": "kill_point", "point": point} in killed.events, killed.stderr  # died at the point itself
     tally = Tally()
@@ -41,7 +41,7 @@ def _kill_at(work: Path, point: str) -> Life:
 
 
 def _restart(work: Path) -> tuple[Life, dict]:
-    restart = _spawn(Life(model="tiny-a"), work, seed=3, ops=2)
+    restart = spawn_life(Life(model="tiny-a"), work, seed=3, ops=2)
     assert restart.returncode == 0, restart.stderr
     tally = Tally()
     assert check_messages(work / "chk.sqlite", Journal(work / "journal.jsonl"), tally), tally.errors

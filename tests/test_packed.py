@@ -256,7 +256,7 @@ def test_multi_tile_attention_and_mlp_paths_equal_sequential(family, wrapped_mlp
     """64 spread rows: the SDPA plan has several row tiles (each with its own key range) and the MLP
     runs by columns on plain linears or through the module on wrapped ones; K/V at every layer and
     the logits match the sequential executor (1e-4), unselected rows are bit-identical."""
-    from kvmemory.executors.packed import _is_plain_mlp, row_tiles
+    from kvmemory.executors.packed import is_plain_mlp, row_tiles
 
     model = tiny_model(family)
     if wrapped_mlp:
@@ -264,7 +264,7 @@ def test_multi_tile_attention_and_mlp_paths_equal_sequential(family, wrapped_mlp
             old = layer.mlp.up_proj
             layer.mlp.up_proj = _ScaledLinear(old.in_features, old.out_features, bias=False)
             layer.mlp.up_proj.weight.data.copy_(old.weight.data)
-    assert all(_is_plain_mlp(layer.mlp) != wrapped_mlp for layer in model.get_decoder().layers)
+    assert all(is_plain_mlp(layer.mlp) != wrapped_mlp for layer in model.get_decoder().layers)
     cache, ids, positions = _edited_long_prompt(model)
     assert len(row_tiles(torch.tensor(positions))) > 1
     before = [(k.clone(), v.clone()) for k, v in _layers(cache)]

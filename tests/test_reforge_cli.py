@@ -112,14 +112,14 @@ def test_scaled_profile_moves_every_trigger_distance():
 
 
 def test_risk_scales_option_and_sweep_table():
-    from kvmemory_lab.bench.reforge import _risk_scales, _sweep_lines
+    from kvmemory_lab.bench.reforge import risk_scales, sweep_lines
 
-    assert _risk_scales("0.5, 2") == [0.5, 2.0] and _risk_scales("") == []
+    assert risk_scales("0.5, 2") == [0.5, 2.0] and risk_scales("") == []
     for bad in ("x", "0,1", "-1"):
         with pytest.raises(SystemExit, match="risk-scales"):
-            _risk_scales(bad)
+            risk_scales(bad)
     row = {"alpha": 0.5, "recompute_pct": 3.3, "kl": 0.09, "kl_reduction_vs_stale_pct": 90.0, "top1": 80.0,
            "maintenance_vs_fresh_pct": 5.0}
-    lines = _sweep_lines([row, {**row, "alpha": 1.0}])
+    lines = sweep_lines([row, {**row, "alpha": 1.0}])
     assert any(line.startswith("| 0.5 | 3.30 | 0.0900 | 90.0 |") for line in lines)
-    assert _sweep_lines([]) == []
+    assert sweep_lines([]) == []

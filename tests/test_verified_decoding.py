@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvmemory_lab.evaluation.decoding import _proposal, verified_greedy
+from kvmemory_lab.evaluation.decoding import proposal, verified_greedy
 from kvmemory.policy import RepairPolicy
 from support import history, prepared, without
 
@@ -35,10 +35,10 @@ def _check(session, max_new_tokens: int) -> int:
 
 def test_proposal_picks_the_longest_agreeing_answer():
     candidates = [[1, 2, 3], [1, 2, 4, 5, 6], [9, 9], [1, 2, 4, 5]]
-    assert _proposal([1, 2, 4], candidates, 10) == [4, 5, 6]
-    assert _proposal([1, 2, 4], candidates, 2) == [4, 5]  # the limit cuts it
-    assert _proposal([7], candidates, 10) == [7]  # nobody agrees: the greedy token alone
-    assert _proposal([1, 2, 3], candidates, 10) == [3]
+    assert proposal([1, 2, 4], candidates, 10) == [4, 5, 6]
+    assert proposal([1, 2, 4], candidates, 2) == [4, 5]  # the limit cuts it
+    assert proposal([7], candidates, 10) == [7]  # nobody agrees: the greedy token alone
+    assert proposal([1, 2, 3], candidates, 10) == [3]
 
 
 def test_verified_equals_stepwise_tiny(tiny, tokenizer):

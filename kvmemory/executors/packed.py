@@ -96,7 +96,7 @@ def _packed_hidden_states(model, cache: DynamicCache, ids: torch.Tensor, pos: to
     """The B-row hidden-state buffer ``[1, B, hidden]`` after the last layer (before the final norm);
     every layer's fresh K/V are written into ``cache`` on the way."""
     decoder = model.get_decoder()
-    plain_mlps = [_is_plain_mlp(layer.mlp) for layer in decoder.layers]  # checked once, not per layer call
+    plain_mlps = [is_plain_mlp(layer.mlp) for layer in decoder.layers]  # checked once, not per layer call
     with torch.no_grad():
         hidden = model.get_input_embeddings()(ids)
         cos, sin = decoder.rotary_emb(hidden, position_ids=pos[None])
@@ -111,7 +111,7 @@ def _packed_hidden_states(model, cache: DynamicCache, ids: torch.Tensor, pos: to
     return hidden
 
 
-def _is_plain_mlp(mlp) -> bool:
+def is_plain_mlp(mlp) -> bool:
     """Whether ``mlp`` is transformers' own gated MLP ``down(act(gate(x)) * up(x))`` over plain
     bias-free ``nn.Linear`` s, whose weights :func:`_gated_mlp_by_columns` may use directly. A wrapped
     projection (a PEFT LoRA layer, a quantised linear) keeps the module call."""

@@ -82,7 +82,7 @@ def evaluate(w, args, profile, updates: int, n_samples: int, score_every: int) -
     train = qa_samples(w.data_dir, "train", 40, passages=0, seed=EVAL_SEED)
     with tqdm(total=updates, desc="evaluation updates") as bar:
         versions = update_trajectory(w.model, w.tokenizer, train, updates, args.magnitude, EVAL_SEED, bar)
-    scales = _risk_scales(args.risk_scales)
+    scales = risk_scales(args.risk_scales)
     methods = METHODS if profile.scheduler is not None else tuple(m for m in METHODS if m != "scheduled")
     names = methods + tuple(_scaled_name(a) for a in scales)
     per_method = {m: {"kl": [], "top1": [], "score": [], "recompute": [], "maint": [], "request": [], "actions": []}
@@ -126,7 +126,7 @@ def _targets(m: dict, stale: dict, fresh: dict) -> dict:
     return out
 
 
-def _risk_scales(text: str) -> list[float]:
+def risk_scales(text: str) -> list[float]:
     """``--risk-scales`` "0.5,2" -> [0.5, 2.0]. Raises SystemExit naming the fix on bad input."""
     try:
         scales = [float(x) for x in text.split(",") if x.strip()]
@@ -303,7 +303,7 @@ def markdown(r: dict) -> str:
     if r.get("budget_pct") is not None:
         lines += [f"scheduled: budget {r['budget_pct']:g} % of layers per update (running account: never exceeded except by exact recomputation of incomparable anchors).", ""]
     lines += [
-        *_sweep_lines(r.get("risk_scale_sweep", [])),
+        *sweep_lines(r.get("risk_scale_sweep", [])),
         f"Certificates on the stale caches at the last version: {r['certificates']}.",
         "",
         "Recomputation horizons of the calibration conditions (direct / bounded / full):",
@@ -316,7 +316,7 @@ def markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _sweep_lines(sweep: list[dict]) -> list[str]:
+def sweep_lines(sweep: list[dict]) -> list[str]:
     """Markdown for the risk-scale frontier (empty without ``--risk-scales``)."""
     if not sweep:
         return []

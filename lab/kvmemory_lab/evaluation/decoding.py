@@ -61,9 +61,9 @@ def verified_greedy(session: KVSession, draft: Sequence[int], max_new_tokens: in
         if token in stops:
             finished = True
             break
-        proposal = _proposal(tokens + [token], candidates, max_new_tokens - len(tokens))
-        if len(proposal) > 1:
-            accepted, logits = _accept_draft(session, proposal, start + len(tokens))
+        draft_ids = proposal(tokens + [token], candidates, max_new_tokens - len(tokens))
+        if len(draft_ids) > 1:
+            accepted, logits = _accept_draft(session, draft_ids, start + len(tokens))
             tokens += accepted
         else:
             logits = forward_rows(session.model, session.cache, torch.tensor([token]), start + len(tokens))
@@ -72,16 +72,16 @@ def verified_greedy(session: KVSession, draft: Sequence[int], max_new_tokens: in
     return Generation(text, tokens, first, "stop" if finished else "length", (time.perf_counter() - t0) * 1000.0)
 
 
-def _proposal(prefix: list[int], candidates: list[list[int]], limit: int) -> list[int]:
+def proposal(prefix: list[int], candidates: list[list[int]], limit: int) -> list[int]:
     """The longest continuation (at most ``limit`` tokens, starting with ``prefix[-1]``) of a
     candidate that begins with ``prefix``; ``[prefix[-1]]`` when none does."""
     known = len(prefix) - 1
     best = prefix[-1:]
     for cand in candidates:
         if len(cand) > known and cand[: known + 1] == prefix:
-            proposal = cand[known : known + limit]
-            if len(proposal) > len(best):
-                best = proposal
+            continuation = cand[known : known + limit]
+            if len(continuation) > len(best):
+                best = continuation
     return best
 
 

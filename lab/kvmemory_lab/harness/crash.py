@@ -449,7 +449,7 @@ class Life:
     stderr: str = ""
 
 
-def _spawn(life: Life, work: Path, seed: int, ops: int | None = None, timeout_s: float = 600.0) -> Life:
+def spawn_life(life: Life, work: Path, seed: int, ops: int | None = None, timeout_s: float = 600.0) -> Life:
     """Start the child, wait until it is ready, then kill it after ``life.delay_s`` (or let it die
     at its kill point, or run ``ops`` operations to completion)."""
     events, log = work / "events.jsonl", work / "child.log"
@@ -558,7 +558,7 @@ def _episode(model: str, kills: int, work: Path, rng: random.Random, seed: int, 
             life.hit = plan.get("hit") or rng.randint(1, 3)
             tally.targeted_kills += 1
         life.delay_s = rng.uniform(0.0, window_s)
-        _spawn(life, work, seed)
+        spawn_life(life, work, seed)
         tally.kills += 1
         tally.kills_embedded_model += life.model == "smollm2"
         if life.returncode != -signal.SIGKILL:
@@ -571,7 +571,7 @@ def _episode(model: str, kills: int, work: Path, rng: random.Random, seed: int, 
         if progress:
             progress(f"{model} kill {k + 1}/{kills}: {'ok' if survived else 'VIOLATION'} "
                      f"({life.kill_at or f'after {life.delay_s:.2f} s'})")
-    final = _spawn(Life(model=model), work, seed, ops=2 * len(THREADS))
+    final = spawn_life(Life(model=model), work, seed, ops=2 * len(THREADS))
     if final.returncode != 0:
         tally.child_errors += 1
         tally.errors.append(f"final run failed ({final.returncode}): {final.stderr[-1500:]}")
