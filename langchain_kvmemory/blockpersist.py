@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from kvmemory.errors import KVMemoryError
 from kvmemory.reforge.versions import base_weights_digest
 from kvmemory.threads import CacheState, export_state
 
@@ -34,7 +35,7 @@ from .kvblocks import (DEFAULT_BLOCK_TOKENS, BlockRef, EncodedState, block_rows,
 log = logging.getLogger(__name__)
 
 
-class LeaseTimeout(TimeoutError):
+class LeaseTimeout(KVMemoryError, TimeoutError):
     """Another worker holds the thread's lease and did not release it in time."""
 
 

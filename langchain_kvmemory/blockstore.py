@@ -32,6 +32,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from kvmemory.errors import KVMemoryError
+
 from .blobs import fsync_dir
 from .erase import shred_file
 
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 _KEY = re.compile(r"^[a-z0-9_-]+(/[a-z0-9_-]+)*$")
 
 
-class BlockMissing(KeyError):
+class BlockMissing(KVMemoryError, KeyError):
     """No value is stored under the key (never written, deleted, or collected)."""
 
 

@@ -26,7 +26,7 @@ from xgrammar.structural_tag import (
     TriggeredTagsFormat,
 )
 
-from kvmemory.errors import InputError, InputTypeError
+from kvmemory.errors import InputError, InputTypeError, KVMemoryError
 
 from .tool_calls import CALL_CLOSE, CALL_OPEN
 
@@ -180,7 +180,7 @@ def processor(grammar: xgr.CompiledGrammar) -> LogitsProcessor:
     return LogitsProcessor(grammar)
 
 
-class BudgetSpent(Exception):
+class BudgetSpent(KVMemoryError):
     """Raised by :class:`AnswerBudget` before a token the answer has no budget left for (the
     session is consistent: nothing was picked)."""
 
