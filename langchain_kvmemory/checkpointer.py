@@ -481,11 +481,12 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         checkpoints). Wrap each ``graph.invoke`` of a thread in it.
 
         Raises:
-            ValueError: the saver has no block store (pass ``block_store=``).
+            ValueError: the saver uses layout="blobs" (leases need the block layout).
             LeaseTimeout (TimeoutError): another worker held it longer than ``wait_s`` seconds.
         """
         if self.blocks is None:
-            raise ValueError("thread leases live in the shared block store: build the saver with block_store=...")
+            raise ValueError('thread leases live in the block store: build the saver with the default layout="blocks" '
+                             "(block_store=... for a store shared by the workers)")
         return self.blocks.lease(str(thread_id), ttl_s=ttl_s, wait_s=wait_s)
 
     # ------------------------------------------------------------ storing

@@ -252,8 +252,8 @@ def test_a_lease_keeps_a_second_worker_out_until_released(tmp_path, tokenizer, l
         order.append("A done")
     waiter.join(5)
     assert order == ["A done", "B"]
-    with pytest.raises(ValueError, match="block_store"):
-        KVCheckpointSaver(a.saver.saver, blob_dir=tmp_path / "x").lease_thread("t")
+    with pytest.raises(ValueError, match="layout"):
+        KVCheckpointSaver(a.saver.saver, blob_dir=tmp_path / "x", layout="blobs").lease_thread("t")
     a.close(), b.close()
 
 
