@@ -203,10 +203,10 @@ def test_checkpointer_restart_after_new_adapter_weights_maintains_the_restored_c
     pm = peft_tiny({"default": lora(2)})
     db, config = tmp_path / "chk.sqlite", {"configurable": {"thread_id": "t"}}
     turn1 = [SystemMessage("You are brief.", id="sys"), HumanMessage("Name a colour of the sky.", id="u1")]
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(pm, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(pm, tokenizer), layout="blobs") as saver:
         answer_graph(saver.threads, saver).invoke({"messages": turn1}, config)
     nudge(pm, "default", seed=7)  # the next process loads new weights under the same name
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(pm, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(pm, tokenizer), layout="blobs") as saver:
         answer_graph(saver.threads, saver).invoke({"messages": [HumanMessage("And at night?", id="u2")]}, config)
         assert "t" in saver.restored_from and not saver.restore_failures  # the blob was used...
         session = saver.threads.session("t")

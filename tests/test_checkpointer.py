@@ -127,7 +127,7 @@ CONFIG = {"configurable": {"thread_id": "t-1"}}
 
 def _turn_one(model, tokenizer, db) -> tuple[str, int]:
     reports: list = []
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(model, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(model, tokenizer), layout="blobs") as saver:
         out = _graph(saver.threads, saver, reports).invoke({"messages": TURN1}, CONFIG)
         meta = saver.get_tuple(CONFIG).metadata
     assert reports[0].reused_tokens == 0  # first turn: a plain prefill
@@ -138,7 +138,7 @@ def _turn_one(model, tokenizer, db) -> tuple[str, int]:
 def _turn_two_in_new_process(model, tokenizer, db):
     """A fresh registry and connection: nothing of turn one is live any more."""
     reports: list = []
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(model, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(model, tokenizer), layout="blobs") as saver:
         out = _graph(saver.threads, saver, reports).invoke({"messages": TURN2}, CONFIG)
         return reports[0], out["messages"], saver
 
@@ -146,7 +146,7 @@ def _turn_two_in_new_process(model, tokenizer, db):
 def _without_restart(model, tokenizer, db):
     """Both turns on one live registry: the reuse a restart must match."""
     reports: list = []
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(model, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(model, tokenizer), layout="blobs") as saver:
         graph = _graph(saver.threads, saver, reports)
         graph.invoke({"messages": TURN1}, CONFIG)
         graph.invoke({"messages": TURN2}, CONFIG)
@@ -192,7 +192,7 @@ def test_blob_of_another_model_is_rejected(tmp_path, tokenizer, llama):
     _turn_one(llama, tokenizer, db)
     other = tiny_model("llama", num_hidden_layers=3)  # a different cache layout
     reports: list = []
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(other, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(other, tokenizer), layout="blobs") as saver:
         _graph(saver.threads, saver, reports).invoke({"messages": TURN2}, CONFIG)
         assert saver.restore_failures["t-1"].startswith("incompatible")
     assert reports[0].reused_tokens == 0
@@ -200,7 +200,7 @@ def test_blob_of_another_model_is_rejected(tmp_path, tokenizer, llama):
 
 def test_unchanged_cache_is_not_rewritten_and_delete_thread_drops_it(tmp_path, tokenizer, llama):
     db = tmp_path / "chk.sqlite"
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer), layout="blobs") as saver:
         graph = _graph(saver.threads, saver, [])
         graph.invoke({"messages": TURN1}, CONFIG, durability="sync")  # every checkpoint written in step
         refs = [t.metadata.get(CACHE_KEY) for t in saver.list(CONFIG)]
@@ -216,7 +216,7 @@ def test_unchanged_cache_is_not_rewritten_and_delete_thread_drops_it(tmp_path, t
 def test_a_put_during_a_running_call_names_the_last_committed_state(tmp_path, tokenizer, llama):
     """LangGraph may write a checkpoint while a model call is half-way (async durability): the
     put neither waits for the call nor persists its half-prepared rows."""
-    with KVCheckpointSaver.from_sqlite(tmp_path / "chk.sqlite", ThreadCaches(llama, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(tmp_path / "chk.sqlite", ThreadCaches(llama, tokenizer), layout="blobs") as saver:
         graph = _graph(saver.threads, saver, [])
         graph.invoke({"messages": TURN1}, CONFIG, durability="sync")
         committed = saver.get_tuple(CONFIG).metadata[CACHE_KEY]
@@ -249,7 +249,7 @@ def test_a_put_during_a_running_call_names_the_last_committed_state(tmp_path, to
 def test_copied_thread_resumes_from_the_shared_blob(tmp_path, tokenizer, llama):
     db = tmp_path / "chk.sqlite"
     _, first_prompt = _turn_one(llama, tokenizer, db)
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer), layout="blobs") as saver:
         saver.copy_thread("t-1", "t-2")
         copied = {"configurable": {"thread_id": "t-2"}}
         assert [t.checkpoint["id"] for t in saver.list(copied)] == [t.checkpoint["id"] for t in saver.list(CONFIG)]
@@ -279,10 +279,10 @@ def _sync_saver():
 async def test_async_restart_resumes_from_the_stored_cache(tmp_path, tokenizer, llama):
     db = tmp_path / "chk.sqlite"
     reports: list = []
-    async with KVCheckpointSaver.afrom_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
+    async with KVCheckpointSaver.afrom_sqlite(db, ThreadCaches(llama, tokenizer), layout="blobs") as saver:
         await _graph(saver.threads, saver, reports).ainvoke({"messages": TURN1}, CONFIG)
         assert CACHE_KEY in (await saver.aget_tuple(CONFIG)).metadata
-    async with KVCheckpointSaver.afrom_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
+    async with KVCheckpointSaver.afrom_sqlite(db, ThreadCaches(llama, tokenizer), layout="blobs") as saver:
         await _graph(saver.threads, saver, reports).ainvoke({"messages": TURN2}, CONFIG)
         assert not saver.restore_failures
     live = _without_restart(llama, tokenizer, tmp_path / "live.sqlite")

@@ -64,7 +64,7 @@ def test_kill_between_temp_write_and_rename_leaves_a_temp_file_that_gc_removes(t
 def test_kill_between_blob_and_checkpoint_leaves_an_orphan_that_gc_removes(tmp_path):
     store = BlobStore(tmp_path / "chk.sqlite.kvcache")
     _kill_at(tmp_path, "before_checkpoint")
-    with KVCheckpointSaver.from_sqlite(tmp_path / "chk.sqlite") as plain:
+    with KVCheckpointSaver.from_sqlite(tmp_path / "chk.sqlite", layout="blobs") as plain:
         named = {t.metadata[CACHE_KEY]["sha256"] for t in plain.list(None) if CACHE_KEY in t.metadata}
     orphans = store.digests() - named
     assert len(orphans) == 1  # written, but the checkpoint naming it never committed
@@ -82,7 +82,7 @@ def _ref(path: Path):
 @pytest.mark.parametrize("damage", ["truncate", "flip-first", "flip-last", "wrong-model"])
 def test_a_damaged_or_foreign_blob_is_never_loaded(tmp_path, tokenizer, llama, damage):
     db = tmp_path / "chk.sqlite"
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer, model_name="a")) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer, model_name="a"), layout="blobs") as saver:
         answer_graph(saver.threads, saver).invoke({"messages": [SystemMessage("Be brief.", id="s"),
                                                          HumanMessage("Hi?", id="h")]}, CONFIG)
         sha = saver.get_tuple(CONFIG).metadata[CACHE_KEY]["sha256"]
@@ -94,7 +94,7 @@ def test_a_damaged_or_foreign_blob_is_never_loaded(tmp_path, tokenizer, llama, d
         at = 9 if damage == "flip-first" else len(data) - 1  # header / tensor data
         path.write_bytes(data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1:])
     name = "b" if damage == "wrong-model" else "a"
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer, model_name=name)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer, model_name=name), layout="blobs") as saver:
         answer_graph(saver.threads, saver).invoke({"messages": [HumanMessage("And now?", id="h2")]}, CONFIG)
         reason = {"truncate": "truncated", "wrong-model": "incompatible"}.get(damage, "mismatch")
         assert saver.restore_failures["t-1"].startswith(reason)
@@ -134,9 +134,9 @@ def test_gc_removes_unreferenced_blobs_and_stale_temp_files_only(tmp_path):
 
 def test_a_restart_before_any_blob_was_written_records_why_it_reprefills(tmp_path, tokenizer, llama):
     db = tmp_path / "chk.sqlite"
-    with KVCheckpointSaver.from_sqlite(db) as plain:  # checkpoints only, as if killed before any blob
+    with KVCheckpointSaver.from_sqlite(db, layout="blobs") as plain:  # checkpoints only, as if killed before any blob
         answer_graph(ThreadCaches(llama, tokenizer), plain).invoke({"messages": [HumanMessage("Hi?", id="h")]}, CONFIG)
-    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer), layout="blobs") as saver:
         answer_graph(saver.threads, saver).invoke({"messages": [HumanMessage("Again?", id="h2")]}, CONFIG)
         assert saver.restore_failures["t-1"].startswith("none")
 

@@ -162,7 +162,7 @@ def _erase_in_graph(loaded: LoadedModel, tmp_path: Path, turns: list[str]):
     db = tmp_path / "chk.sqlite"
     llm = ChatKVMemory(model=loaded, max_tokens=4, erase="strict")
     config = {"configurable": {"thread_id": f"t-{uuid.uuid4().hex[:6]}"}}
-    with KVCheckpointSaver.from_sqlite(db, llm) as saver:
+    with KVCheckpointSaver.from_sqlite(db, llm, layout="blobs") as saver:
         graph = _chat_graph(llm, saver)
         secret = HumanMessage(SECRET + " " + turns[0], id="secret")
         graph.invoke({"messages": [SystemMessage("You are brief.", id="sys"), secret]}, config)

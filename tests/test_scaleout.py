@@ -112,6 +112,23 @@ def test_block_keys_chain_tokens_identity_and_exactness():
 
 
 # ---------------------------------------------------------- one worker, storage
+def test_the_default_layout_is_blocks_next_to_the_database_and_a_restart_resumes_from_them(tmp_path, tokenizer, llama):
+    db = tmp_path / "d.sqlite"
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:
+        reports: list = []
+        _graph(saver.threads, saver, reports).invoke({"messages": TURNS[0]}, {"configurable": {"thread_id": "t"}})
+        entry = saver.get_tuple({"configurable": {"thread_id": "t"}}).metadata[CACHE_KEY]
+        assert saver.blocks is not None and entry["layout"] == "blocks" and entry["blocks"]
+    assert any((tmp_path / "d.sqlite.kvcache").rglob("*"))
+    with KVCheckpointSaver.from_sqlite(db, ThreadCaches(llama, tokenizer)) as saver:  # a new process
+        reports = []
+        _graph(saver.threads, saver, reports).invoke({"messages": TURNS[1]}, {"configurable": {"thread_id": "t"}})
+        assert saver.restored_from.get("t") and not saver.restore_failures
+        assert reports[-1].reused_tokens > 0  # resumed from the stored rows, not re-prefilled
+    with pytest.raises(ValueError, match="layout"):
+        KVCheckpointSaver(SqliteSaver.from_conn_string(":memory:").__enter__(), layout="pages", blob_dir=tmp_path)
+
+
 def test_consecutive_checkpoints_and_threads_share_blocks(tmp_path, tokenizer, llama):
     store = FilesystemBlockStore(tmp_path / "blocks")
     w = Worker(llama, tokenizer, tmp_path / "c.sqlite", store, "w1")
@@ -235,8 +252,8 @@ def test_a_lease_keeps_a_second_worker_out_until_released(tmp_path, tokenizer, l
         order.append("A done")
     waiter.join(5)
     assert order == ["A done", "B"]
-    with pytest.raises(ValueError, match="block_store"):
-        KVCheckpointSaver(a.saver.saver, blob_dir=tmp_path / "x").lease_thread("t")
+    with pytest.raises(ValueError, match="layout"):
+        KVCheckpointSaver(a.saver.saver, blob_dir=tmp_path / "x", layout="blobs").lease_thread("t")
     a.close(), b.close()
 
 

@@ -254,7 +254,7 @@ def child_main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     chat = ChatKVMemory(model=_load(args.model), max_tokens=MAX_TOKENS, memory_budget_bytes=None)
     calls: list = []
-    with KVCheckpointSaver.from_sqlite(args.db, chat) as saver:
+    with KVCheckpointSaver.from_sqlite(args.db, chat, layout="blobs") as saver:
         graph = _graph(chat, saver, calls)
         _install_kill_point(args.kill_at if args.kill_at != "during_gc" else None, args.hit, saver, args.events)
         _emit(args.events, event="ready", pid=os.getpid())
