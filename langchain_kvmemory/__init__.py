@@ -11,5 +11,8 @@ except ImportError as exc:  # installed with the runtime, usable with the extra
                       "pip install 'kvmemory[langchain]' (in a checkout: pip install '.[langchain]')") from exc
 
 from .chat_model import ChatKVMemory
+from .serialization import register_for_load
+
+register_for_load()
 
 __all__ = ["ChatKVMemory"]

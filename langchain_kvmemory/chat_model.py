@@ -327,6 +327,16 @@ class ChatKVMemory(BaseChatModel):
     def _llm_type(self) -> str:
         return "kvmemory"
 
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """``dumpd(chat)`` keeps the settings (a model given as a name or folder, not a loaded
+        object); loading one back: :mod:`langchain_kvmemory.serialization`."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_kvmemory", "chat_model"]
+
     @property
     def model_name(self) -> str:
         """The model's name as ``response_metadata["model_name"]`` and ``ls_model_name`` give it:
