@@ -13,7 +13,7 @@ import torch
 
 from . import kvcache
 from .capabilities import model_capabilities
-from .edits import plan_edits
+from .edits import common_prefix_length, plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
 from .engine import status as engine_status
 from .executors.sequential import forward_rows
@@ -527,17 +527,27 @@ class KVSession:
         return stop_token_ids(self.model, self.tokenizer)
 
     def commit_answer(self, answer: Mapping[str, Any]) -> bool:
-        """Hold the answer just generated as a message of its own (e.g. ``{"role": "assistant",
+        """Hold the answer just decoded as a message of its own (e.g. ``{"role": "assistant",
         "content": text, "id": ...}``): forward the end-of-turn text the chat template writes
-        after it and make it a segment, so a later edit before it Shifts its rows instead of
-        recomputing them as new text.
+        after it and make it a segment, so the next turn reuses its rows and a later edit before
+        it Shifts them instead of recomputing them as new text.
+
+        The answer may be cut: by ``max_new_tokens`` (its next-token logits pending) or by the
+        caller at a stop sequence (``content`` then ends before the last decoded tokens). The
+        cached rows are kept up to the longest prefix their ids share with the rendering of the
+        held messages plus ``answer``: exactly the rows a Re-prefill of that rendering computes
+        (same ids at the same positions). Rows after it (tokens decoded past a stop sequence, a
+        cut tail that re-tokenizes differently) are dropped, and the rendering's remaining tokens
+        are computed. The answer then counts as ended (``next_logits`` is None).
 
         Returns:
-            True if committed. False (nothing changed) when the answer has not ended with an
-            end-of-turn token, or its rendering does not start with the cached rows (e.g. the
-            text was cut at a stop sequence): the next ``prepare`` then treats it as new text.
+            True if committed. False (nothing changed) when there is no answer to hold (no
+            ``prepare`` yet, or the last answer is already held), the rendering changes the
+            rows of a held message (a template that rewrites history around an answer), or rows
+            would have to be dropped from a cache whose layers cannot drop rows (quantized):
+            the next ``prepare`` then matches the answer's tokens like any new text.
         """
-        if self.rendered is None or self.next_logits is not None:
+        if self.rendered is None or self.answer_committed:
             return False
         try:
             messages = normalize_messages(list(self.rendered.messages) + [answer])
@@ -545,14 +555,38 @@ class KVSession:
                                 previous=self.rendered)
         except (TemplateError, ValueError):
             return False
-        n = len(self.token_ids)
-        if len(new) <= n or tuple(self.token_ids) != new.token_ids[:n]:
+        kept = min(common_prefix_length(self.token_ids, new.token_ids), len(new))
+        # the assistant opener may re-tokenize with the answer's first characters; a held message may not
+        held_messages = self.rendered.segments[-1].token_end if self.rendered.segments else len(self.rendered)
+        if kept < held_messages:
             return False
-        self._forward_tracked(torch.tensor(new.token_ids[n:]), self._sync_adapter())
-        if self.exact_rows == n:
+        adapter = self._sync_adapter()
+        try:
+            self._drop_rows_from(kept, adapter)
+        except ValueError:  # layers that cannot drop rows: leave the answer to the next prepare
+            return False
+        exact = self.exact_rows == kept
+        if kept < len(new):
+            self._forward_tracked(torch.tensor(new.token_ids[kept:]), adapter)
+        if exact:
             self.exact_rows = len(new)
         self.token_ids, self.rendered, self.answer_committed = list(new.token_ids), new, True
+        self.next_logits = None
         return True
+
+    def _drop_rows_from(self, start: int, adapter) -> None:
+        """Drop the cached rows ``[start, N)``: K/V, ids and CacheReforge boundary rows.
+
+        Raises:
+            ValueError: the cache has layers that cannot drop rows (nothing changed).
+        """
+        if start >= len(self.token_ids):
+            return
+        kvcache.crop_to(self.cache, start)
+        del self.token_ids[start:]
+        self.exact_rows = min(self.exact_rows, start)
+        self.reforge.commit([], source_rows=None, rows=start, recomputed_all=False, current=adapter)
+        self.next_logits, self._row_logits = None, None
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the cached ids equal the tokenization of the held messages
