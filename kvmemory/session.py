@@ -91,6 +91,10 @@ class KVSession:
         # CacheReforge: per-layer adapter anchors + boundary states (inert without LoRA layers)
         self.reforge = ReforgeState(model, reforge)
         self.pending_erasures: list[str] = []  # ids strictly erased here, not yet purged from a store
+        # CacheReforge maintenance since the last prepare's report (e.g. by OnlineAdapter.update), and
+        # why a failed one dropped the cache: the next report says so
+        self._unreported_maintenance = None
+        self._dropped_reason: str | None = None
         self.reset()
 
     @property
@@ -211,10 +215,10 @@ class KVSession:
             new_messages = self._dirty_messages(new_messages)
         new, fallback = self._render(new_messages)
         self._check_fits(len(new))
+        adapter = self._sync_adapter(recover=True)  # an adapter update first: it may leave rows stale (exact_rows)
+        maintenance, dropped = self._unreported_maintenance, self._dropped_reason
+        self._unreported_maintenance = self._dropped_reason = None
         old = self.rendered if fallback is None else None
-        maintained = self.reforge.last_report
-        adapter = self._sync_adapter()  # an adapter update first: it may leave rows stale (exact_rows)
-        maintenance = self.reforge.last_report if self.reforge.last_report is not maintained else None
         plan = plan_edits(self.token_ids, old, new, self.exact_rows, self._kept_rows(policy))
         query = new_messages[-1].content
         ctx = RepairContext(
@@ -244,9 +248,11 @@ class KVSession:
             self.pending_erasures.extend(k for k in erased if k not in self.pending_erasures)
         if fallback and plan.common_prefix < len(self.token_ids):  # only an edit loses segment reuse
             report.fallback = report.fallback or fallback
-        if maintenance is not None:  # CacheReforge brought the cache to a new adapter version first
+        if maintenance is not None:  # CacheReforge brought the cache to a new adapter version since the last report
             report.adapter = maintenance.as_dict()
             report.fallback = report.fallback or maintenance.fallback
+        if dropped is not None:  # a failed maintenance dropped the cache: this call re-prefilled
+            report.fallback = report.fallback or dropped
         report.engine = engine_status(self.model).as_dict()
         report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:
@@ -487,12 +493,18 @@ class KVSession:
         self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits)
         return logits
 
-    def _sync_adapter(self):
+    def _sync_adapter(self, *, recover: bool = False):
         """CacheReforge: if the LoRA adapter changed since the cache was computed, maintain the
-        cache under ``self.reforge.config`` first. Returns the active AdapterState (None: no LoRA)."""
+        cache under ``self.reforge.config`` first. ``recover``: a maintenance that fails leaves
+        the cache dropped (see :meth:`maintain`) and the caller re-prefills instead of raising.
+        Returns the active AdapterState (None: no LoRA)."""
         current = self.reforge.current()
         if self.reforge.needs_maintenance(current):
-            self.maintain(current=current)
+            try:
+                self.maintain(current=current)
+            except Exception:
+                if not recover or self.token_ids:  # not a dropped cache: nothing to recompute from
+                    raise
         return current
 
     def maintain(self, *, current=None, policy: str | None = None):
@@ -505,11 +517,24 @@ class KVSession:
             ReforgeReport (action, layers ``[start, end)``, recompute %, fallback, ms).
 
         Raises:
-            ValueError: unknown policy, or cachereforge / drift_only without a profile.
+            ValueError: an unusable policy (``ReforgeState.usable_policy``); nothing changed.
+            Whatever the maintenance itself raises (e.g. out of memory, rows that cannot be
+            written in place): the cache may be half rewritten, so it is dropped first (logged;
+            the next ``prepare`` re-prefills and reports why in ``RepairReport.fallback``).
         """
+        self.reforge.usable_policy(policy)
         view = CacheView(cache=self.cache, token_ids=self.token_ids, cache_factory=self.cache_factory,
                          row_reuse_reason=self.capabilities.row_reuse_reason)
-        maintained = self.reforge.maintain(view, current=current, policy=policy)
+        try:
+            maintained = self.reforge.maintain(view, current=current, policy=policy)
+        except Exception as exc:
+            reason = (f"CacheReforge maintenance failed ({type(exc).__name__}: {exc}): the cache was dropped and "
+                      "re-prefilled")
+            log.warning("kvmemory: %s", reason)
+            self.reset()
+            self._dropped_reason = reason
+            raise
+        self._unreported_maintenance = maintained.report
         self.cache = maintained.cache
         if maintained.exact_rows is not None:
             self.exact_rows = maintained.exact_rows
