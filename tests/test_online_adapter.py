@@ -78,6 +78,28 @@ def test_a_step_that_fails_half_way_is_rolled_back(tokenizer, caplog):
     assert session.prepare(history() + [QUERY]).adapter is None  # the cache was never out of date
 
 
+def test_a_thread_busy_in_a_call_maintains_itself_at_its_next_forward(tokenizer):
+    pm = lora_tiny(targets=("v_proj",), layers=(2,))
+    registry = ThreadCaches(pm, tokenizer, "replay")
+    online = OnlineAdapter(pm, tokenizer, registry, lr=5e-2)
+    with pytest.raises(InputTypeError, match="lease"):
+        online.register("x", KVSession(pm, tokenizer))
+    for tid in ("idle", "busy"):
+        with registry.lease(tid) as session:
+            session.prepare(history() + [QUERY])
+    with registry.lease("busy") as busy:  # a call runs on this thread during the update
+        report = online.update(history()[:2], "Helmsford")
+        assert set(report.sessions) == {"idle"} and report.busy == ["busy"] and not report.dropped
+        assert busy.adapter_versions.mixed or busy.adapter_versions.stale_layers  # not maintained under the call
+    with registry.lease("busy") as session:
+        repair = session.prepare(history() + [QUERY])
+    assert repair.adapter["adapter_version"] == report.version_after and repair.adapter["action"] == "full_suffix"
+    fresh = KVSession(pm, tokenizer, "reprefill")
+    fresh.prepare(history() + [QUERY])
+    torch.testing.assert_close(registry.session("busy").next_logits, fresh.next_logits, atol=1e-4, rtol=0)
+    assert registry.session("idle").prepare(history() + [QUERY]).adapter["adapter_version"] == report.version_after
+
+
 # ------------------------------------------------------------------ the embedded model + LoRA
 @pytest.fixture
 def lora_real(real):
