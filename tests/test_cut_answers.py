@@ -72,6 +72,25 @@ def test_an_answer_cut_by_max_tokens_is_reused_next_turn(real):
     assert first.response_metadata["finish_reason"] == "length" and first.usage_metadata["output_tokens"] == 5
 
 
+@pytest.mark.real_model
+def test_an_edit_before_a_cut_answer_shifts_its_rows_instead_of_recomputing_them(real):
+    """The cut answer is a held message: an edit before it (a cleared passage) keeps its rows
+    as stale rows repaired under the budget, not as new text computed again."""
+    llm = ChatKVMemory(model=real, max_tokens=30, repair_policy="sur@5")
+    cfg = {"configurable": {"thread_id": "cut-then-edit"}}
+    passage = HumanMessage("Ostrava Nova was founded in 1873 by the engineer Ilse Marrow. It lies on the Mira "
+                           "River. Its mill was the first in the valley. " * 3, id="passage")
+    question = HumanMessage("Describe Ostrava Nova in detail.", id="q1")
+    first = llm.invoke([passage, question], config=cfg)
+    assert first.response_metadata["finish_reason"] == "length"
+    cleared = HumanMessage("[cleared]", id="passage")
+    second = llm.invoke([cleared, question, first, FOLLOW_UP], config=cfg)
+    repair = second.response_metadata["repair"]
+    assert repair["edits"] == {"keep": 2, "replace": 1, "append": 1} and repair["fallback"] is None
+    assert repair["stale_tokens"] >= first.usage_metadata["output_tokens"]  # the answer's rows are reused
+    assert repair["refreshed_tokens"] == -(-repair["stale_tokens"] * 5 // 100)  # B = ceil(S * b / 100)
+
+
 # ------------------------------------------------------------------ KVSession.commit_answer
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_commit_answer_keeps_only_the_rows_of_the_text_given(family, tokenizer):
