@@ -137,6 +137,7 @@ class KVSession:
         ``rendered``: its messages rendered with this session's tokenizer (None: no messages)."""
         device = next(self.model.parameters()).device
         self.reset()
+        self._unreported_maintenance = self._dropped_reason = None  # about the replaced cache
         self.tools = state.tools
         self.cache = kvcache.from_tensors([(k.to(device), v.to(device)) for k, v in state.layers])
         self.token_ids = list(state.token_ids)
