@@ -16,6 +16,7 @@ names the fix.
     ├── ShiftUnsupportedError (ValueError)      a RoPE that cannot be shifted exactly
     ├── PackedUnsupportedError (ValueError)     a model the packed executor cannot run
     ├── TritonUnavailableError (RuntimeError)   the Triton backend cannot launch here
+    ├── AdapterUpdateError (RuntimeError)       an online LoRA step failed (rolled back)
     ├── SelectionError (RuntimeError)           internal: an allocator broke its contract
     └── UnitPartitionError (RuntimeError)       internal: units do not partition the suffix
 
@@ -88,6 +89,16 @@ class PackedUnsupportedError(KVMemoryError, ValueError):
 
 class TritonUnavailableError(KVMemoryError, RuntimeError):
     """The Triton backend cannot launch here; the message names the fix."""
+
+
+class AdapterUpdateError(KVMemoryError, RuntimeError):
+    """An online LoRA step (``OnlineAdapter.update``) failed after it may have changed weights:
+    they were rolled back, with the optimizer state, to ``version`` (the adapter digest before
+    the update, None without adapters), so no cache sees half an update."""
+
+    def __init__(self, message: str, version: str | None = None):
+        super().__init__(message)
+        self.version = version
 
 
 class SelectionError(KVMemoryError, RuntimeError):

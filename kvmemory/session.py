@@ -13,7 +13,7 @@ import torch
 
 from . import kvcache
 from .capabilities import model_capabilities
-from .edits import plan_edits
+from .edits import common_prefix_length, plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
 from .engine import status as engine_status
 from .executors.sequential import forward_rows
@@ -91,6 +91,10 @@ class KVSession:
         # CacheReforge: per-layer adapter anchors + boundary states (inert without LoRA layers)
         self.reforge = ReforgeState(model, reforge)
         self.pending_erasures: list[str] = []  # ids strictly erased here, not yet purged from a store
+        # CacheReforge maintenance since the last prepare's report (e.g. by OnlineAdapter.update), and
+        # why a failed one dropped the cache: the next report says so
+        self._unreported_maintenance = None
+        self._dropped_reason: str | None = None
         self.reset()
 
     @property
@@ -133,6 +137,7 @@ class KVSession:
         ``rendered``: its messages rendered with this session's tokenizer (None: no messages)."""
         device = next(self.model.parameters()).device
         self.reset()
+        self._unreported_maintenance = self._dropped_reason = None  # about the replaced cache
         self.tools = state.tools
         self.cache = kvcache.from_tensors([(k.to(device), v.to(device)) for k, v in state.layers])
         self.token_ids = list(state.token_ids)
@@ -220,10 +225,10 @@ class KVSession:
             new_messages = self._dirty_messages(new_messages)
         new, fallback = self._render(new_messages)
         self._check_fits(len(new))
+        adapter = self._sync_adapter(recover=True)  # an adapter update first: it may leave rows stale (exact_rows)
+        maintenance, dropped = self._unreported_maintenance, self._dropped_reason
+        self._unreported_maintenance = self._dropped_reason = None
         old = self.rendered if fallback is None else None
-        maintained = self.reforge.last_report
-        adapter = self._sync_adapter()  # an adapter update first: it may leave rows stale (exact_rows)
-        maintenance = self.reforge.last_report if self.reforge.last_report is not maintained else None
         plan = plan_edits(self.token_ids, old, new, self.exact_rows, self._kept_rows(policy))
         query = new_messages[-1].content
         ctx = RepairContext(
@@ -253,9 +258,11 @@ class KVSession:
             self.pending_erasures.extend(k for k in erased if k not in self.pending_erasures)
         if fallback and plan.common_prefix < len(self.token_ids):  # only an edit loses segment reuse
             report.fallback = report.fallback or fallback
-        if maintenance is not None:  # CacheReforge brought the cache to a new adapter version first
+        if maintenance is not None:  # CacheReforge brought the cache to a new adapter version since the last report
             report.adapter = maintenance.as_dict()
             report.fallback = report.fallback or maintenance.fallback
+        if dropped is not None:  # a failed maintenance dropped the cache: this call re-prefilled
+            report.fallback = report.fallback or dropped
         report.engine = engine_status(self.model).as_dict()
         report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:
@@ -496,12 +503,18 @@ class KVSession:
         self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits)
         return logits
 
-    def _sync_adapter(self):
+    def _sync_adapter(self, *, recover: bool = False):
         """CacheReforge: if the LoRA adapter changed since the cache was computed, maintain the
-        cache under ``self.reforge.config`` first. Returns the active AdapterState (None: no LoRA)."""
+        cache under ``self.reforge.config`` first. ``recover``: a maintenance that fails leaves
+        the cache dropped (see :meth:`maintain`) and the caller re-prefills instead of raising.
+        Returns the active AdapterState (None: no LoRA)."""
         current = self.reforge.current()
         if self.reforge.needs_maintenance(current):
-            self.maintain(current=current)
+            try:
+                self.maintain(current=current)
+            except Exception:
+                if not recover or self.token_ids:  # not a dropped cache: nothing to recompute from
+                    raise
         return current
 
     def maintain(self, *, current=None, policy: str | None = None):
@@ -514,11 +527,24 @@ class KVSession:
             ReforgeReport (action, layers ``[start, end)``, recompute %, fallback, ms).
 
         Raises:
-            ValueError: unknown policy, or cachereforge / drift_only without a profile.
+            ValueError: an unusable policy (``ReforgeState.usable_policy``); nothing changed.
+            Whatever the maintenance itself raises (e.g. out of memory, rows that cannot be
+            written in place): the cache may be half rewritten, so it is dropped first (logged;
+            the next ``prepare`` re-prefills and reports why in ``RepairReport.fallback``).
         """
+        self.reforge.usable_policy(policy)
         view = CacheView(cache=self.cache, token_ids=self.token_ids, cache_factory=self.cache_factory,
                          row_reuse_reason=self.capabilities.row_reuse_reason)
-        maintained = self.reforge.maintain(view, current=current, policy=policy)
+        try:
+            maintained = self.reforge.maintain(view, current=current, policy=policy)
+        except Exception as exc:
+            reason = (f"CacheReforge maintenance failed ({type(exc).__name__}: {exc}): the cache was dropped and "
+                      "re-prefilled")
+            log.warning("kvmemory: %s", reason)
+            self.reset()
+            self._dropped_reason = reason
+            raise
+        self._unreported_maintenance = maintained.report
         self.cache = maintained.cache
         if maintained.exact_rows is not None:
             self.exact_rows = maintained.exact_rows
@@ -536,17 +562,27 @@ class KVSession:
         return stop_token_ids(self.model, self.tokenizer)
 
     def commit_answer(self, answer: Mapping[str, Any]) -> bool:
-        """Hold the answer just generated as a message of its own (e.g. ``{"role": "assistant",
+        """Hold the answer just decoded as a message of its own (e.g. ``{"role": "assistant",
         "content": text, "id": ...}``): forward the end-of-turn text the chat template writes
-        after it and make it a segment, so a later edit before it Shifts its rows instead of
-        recomputing them as new text.
+        after it and make it a segment, so the next turn reuses its rows and a later edit before
+        it Shifts them instead of recomputing them as new text.
+
+        The answer may be cut: by ``max_new_tokens`` (its next-token logits pending) or by the
+        caller at a stop sequence (``content`` then ends before the last decoded tokens). The
+        cached rows are kept up to the longest prefix their ids share with the rendering of the
+        held messages plus ``answer``: exactly the rows a Re-prefill of that rendering computes
+        (same ids at the same positions). Rows after it (tokens decoded past a stop sequence, a
+        cut tail that re-tokenizes differently) are dropped, and the rendering's remaining tokens
+        are computed. The answer then counts as ended (``next_logits`` is None).
 
         Returns:
-            True if committed. False (nothing changed) when the answer has not ended with an
-            end-of-turn token, or its rendering does not start with the cached rows (e.g. the
-            text was cut at a stop sequence): the next ``prepare`` then treats it as new text.
+            True if committed. False (nothing changed) when there is no answer to hold (no
+            ``prepare`` yet, or the last answer is already held), the rendering changes the
+            rows of a held message (a template that rewrites history around an answer), or rows
+            would have to be dropped from a cache whose layers cannot drop rows (quantized):
+            the next ``prepare`` then matches the answer's tokens like any new text.
         """
-        if self.rendered is None or self.next_logits is not None:
+        if self.rendered is None or self.answer_committed:
             return False
         try:
             messages = normalize_messages(list(self.rendered.messages) + [answer])
@@ -554,14 +590,38 @@ class KVSession:
                                 previous=self.rendered)
         except (TemplateError, ValueError):
             return False
-        n = len(self.token_ids)
-        if len(new) <= n or tuple(self.token_ids) != new.token_ids[:n]:
+        kept = min(common_prefix_length(self.token_ids, new.token_ids), len(new))
+        # the assistant opener may re-tokenize with the answer's first characters; a held message may not
+        held_messages = self.rendered.segments[-1].token_end if self.rendered.segments else len(self.rendered)
+        if kept < held_messages:
             return False
-        self._forward_tracked(torch.tensor(new.token_ids[n:]), self._sync_adapter())
-        if self.exact_rows == n:
+        adapter = self._sync_adapter()
+        try:
+            self._drop_rows_from(kept, adapter)
+        except ValueError:  # layers that cannot drop rows: leave the answer to the next prepare
+            return False
+        exact = self.exact_rows == kept
+        if kept < len(new):
+            self._forward_tracked(torch.tensor(new.token_ids[kept:]), adapter)
+        if exact:
             self.exact_rows = len(new)
         self.token_ids, self.rendered, self.answer_committed = list(new.token_ids), new, True
+        self.next_logits = None
         return True
+
+    def _drop_rows_from(self, start: int, adapter) -> None:
+        """Drop the cached rows ``[start, N)``: K/V, ids and CacheReforge boundary rows.
+
+        Raises:
+            ValueError: the cache has layers that cannot drop rows (nothing changed).
+        """
+        if start >= len(self.token_ids):
+            return
+        kvcache.crop_to(self.cache, start)
+        del self.token_ids[start:]
+        self.exact_rows = min(self.exact_rows, start)
+        self.reforge.commit([], source_rows=None, rows=start, recomputed_all=False, current=adapter)
+        self.next_logits, self._row_logits = None, None
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the cached ids equal the tokenization of the held messages

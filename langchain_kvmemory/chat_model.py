@@ -514,8 +514,8 @@ class ChatKVMemory(BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None, **kwargs: Any) -> Iterator[tuple]:
         """Prepare the thread's cache for ``messages`` and decode, yielding ``("text", delta)``
         events for streamable text, ``("call", chunk)`` for each tool-call chunk completed and one
-        final ``("end", result)``. An answer that ended with an end-of-turn token is then held in
-        the cache as a message with id ``message_id``."""
+        final ``("end", result)``. The answer is then held in the cache as the message the caller
+        gets (id ``message_id``; a cut answer as its returned text, see ``KVSession.commit_answer``)."""
         kwargs = fold_aliases(kwargs, "call keyword arguments")
         call = self._plan_call(messages, stop, run_manager, kwargs)
         registry = self.threads_for(call.model_name)
@@ -530,9 +530,9 @@ class ChatKVMemory(BaseChatModel):
             result = self._result(watcher, report, reason, call.model_name, call.logical_thread,
                                   (time.perf_counter() - t0) * 1000.0)
             self._annotate(result, call, policy, erased, watcher, budget, recorder)
-            if reason == "stop" and not watcher.stopped:  # ended with an end-of-turn token
-                answer = AIMessage(id=message_id, content=result["content"], tool_calls=result["tool_calls"])
-                session.commit_answer(session_message(answer, call.runtime.template_tools))
+            # held as the caller got it (cut at a stop sequence or max_tokens, too): the next turn reuses its rows
+            answer = AIMessage(id=message_id, content=result["content"], tool_calls=result["tool_calls"])
+            session.commit_answer(session_message(answer, call.runtime.template_tools))
         tail = watcher.finish()
         if tail:
             yield "text", tail

@@ -46,6 +46,9 @@ def pick_slot(registry: ThreadCaches, thread_id: str, prompt: list[int], head_to
     best = max(live, key=lambda tid: reuse[tid])
     if reuse[best] >= max(1, head_tokens - 1):  # the head's last row may tokenize with what follows
         return best, reuse[best]
+    empty = [tid for tid in live if _holds_nothing(registry, tid)]
+    if empty:  # a slot whose cache was dropped (it reports why at its next call) before a new one
+        return empty[0], 0
     if len(live) < max_slots:
         names = [thread_id] + [f"{thread_id}{SLOT_SEP}{k}" for k in range(1, max_slots)]
         return next(n for n in names if n not in live), 0
@@ -63,3 +66,8 @@ def _shared(registry: ThreadCaches, tid: str, prompt: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def _holds_nothing(registry: ThreadCaches, tid: str) -> bool:
+    session = registry.get(tid)
+    return session is not None and not session.token_ids

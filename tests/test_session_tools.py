@@ -178,5 +178,6 @@ def test_chat_model_prompts_with_tools_are_unchanged(llama, tokenizer):
         bound.invoke(messages, config={"configurable": {"thread_id": thread}})
         session = llm.threads.session(thread)
         want = tokenizer(before, add_special_tokens=False)["input_ids"]
-        assert session.tools and session.token_ids[: len(want)] == want
+        # the answer is held after the prompt: its first characters may tokenize with the opener's last "\n"
+        assert session.tools and session.token_ids[: len(want) - 1] == want[:-1]
         assert session.rendered.text.startswith(before)

@@ -266,6 +266,28 @@ class ReforgeState:
             v != current.digest for v in self.anchors.layer_versions
         )
 
+    def usable_policy(self, policy: str | None = None) -> str:
+        """The maintenance policy ``policy`` (default: the config's), checked before anything
+        runs: known, with the calibration it needs, calibrated for this layer count.
+
+        Raises:
+            ValueError: unknown policy; cachereforge / drift_only / scheduled without a profile
+                (or scheduled without a scheduler calibration); a profile of another layer count.
+        """
+        policy = policy or self.config.resolved_policy()
+        if policy not in POLICIES:
+            raise ValueError(f"unknown CacheReforge policy {policy!r}; use one of {', '.join(POLICIES)}")
+        profile = self.config.profile
+        if policy in ("cachereforge", "drift_only", "scheduled") and profile is None:
+            raise ValueError(f"CacheReforge policy {policy!r} needs a calibration profile: run `kvmemory calibrate`")
+        if policy == "scheduled" and profile.scheduler is None:
+            raise ValueError("policy 'scheduled' needs a profile with a scheduler calibration: run "
+                             "`kvmemory calibrate --schedule 5` (or use policy 'cachereforge', eq. 9)")
+        if policy in ("cachereforge", "scheduled") and profile.num_layers != self.num_layers:
+            raise ValueError(f"the CacheReforge profile was calibrated for {profile.num_layers} layers, this model "
+                             f"has {self.num_layers}: run `kvmemory calibrate` for this model")
+        return policy
+
     def maintain(self, view: CacheView, *, current: AdapterState | None = None, policy: str | None = None) -> Maintained:
         """Bring ``view.cache`` to the active adapter under ``policy`` (default: the config's).
 
@@ -273,12 +295,12 @@ class ReforgeState:
         into a fresh cache) and returns what the session must apply (``KVSession.maintain``).
 
         Raises:
-            ValueError: unknown policy, or cachereforge / drift_only without a profile.
+            ValueError: an unusable policy (see :meth:`usable_policy`), before anything changes.
         """
         t0 = time.perf_counter()
+        policy = self.usable_policy(policy)
         self._fallback = None
         current = current if current is not None else self.current()
-        policy = policy or self.config.resolved_policy()
         out = Maintained(report=None, cache=view.cache)
         rows = kvcache.cache_length(view.cache)
         if rows == 0:

@@ -132,7 +132,9 @@ def lora_modules(model, adapter: str | None = None) -> list[LoraModule]:
         ValueError: an adapter computing on a module uses DoRA (CacheReforge versions plain LoRA).
     """
     found = []
-    for name, module in model.named_modules():
+    # named from the transformers model peft wraps: a PeftModel and the model it wraps give one version
+    root = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    for name, module in root.named_modules():
         if not _is_tuner_layer(module):
             continue
         m = LoraModule.of(name, module)
