@@ -49,9 +49,10 @@ from .constrained import AnswerBudget, BudgetSpent, Grammars, processor, respons
 from .messages import session_message, to_session_messages
 from .options import fold_aliases, normalize_device, normalize_dtype, reject_unknown
 from .sampling import LogprobRecorder, Sampling
-from .tool_calls import CALL_OPEN, CallStream, split_calls, template_renders_tools
+from .streaming import TextWatcher
+from .tool_calls import CALL_OPEN, split_calls, template_renders_tools
 from .slots import pick_slot, prompt_ids
-from .tool_policy import DEFAULT_MARGIN, scored_choice
+from .tool_policy import DEFAULT_MARGIN, normalize_tool_choice, scored_choice
 
 log = logging.getLogger(__name__)
 
@@ -523,7 +524,7 @@ class ChatKVMemory(BaseChatModel):
             policy, report, erased = self._prepare_thread(session, registry, call, kwargs)
             self._settle_tool_choice(session, call)
             processors, budget, recorder = self._processors(session, call)
-            watcher = _TextWatcher(call.runtime.loaded.tokenizer, call.stops,
+            watcher = TextWatcher(call.runtime.loaded.tokenizer, call.stops,
                                    watch_calls=bool(call.tools) and call.choice != "none")
             t0 = time.perf_counter()
             reason = yield from self._stream_tokens(session, watcher, call, processors)
@@ -556,7 +557,7 @@ class ChatKVMemory(BaseChatModel):
         model_name = kwargs.get("model") or self.model
         runtime = self._runtime_of(model_name)
         tools = kwargs.get("tools") or None
-        choice = _tool_choice(kwargs.get("tool_choice"), tools)
+        choice = normalize_tool_choice(kwargs.get("tool_choice"), tools)
         requested = response_schema(kwargs.get("response_format"))
         schema = requested[1] if requested else None
         scored = False
@@ -630,7 +631,7 @@ class ChatKVMemory(BaseChatModel):
             processors.append(recorder)
         return processors, budget, recorder
 
-    def _stream_tokens(self, session, watcher: "_TextWatcher", call: "_Call", processors: list):
+    def _stream_tokens(self, session, watcher: TextWatcher, call: "_Call", processors: list):
         """Decode from the live cache, yielding ``("text", delta)`` and ``("call", chunk)``;
         returns the finish reason: ``stop`` (a stop string, or the model's end of turn),
         ``length`` or ``timeout``."""
@@ -660,7 +661,7 @@ class ChatKVMemory(BaseChatModel):
         return reason
 
     def _annotate(self, result: dict[str, Any], call: "_Call", policy: RepairPolicy, erased: dict | None,
-                  watcher: "_TextWatcher", budget: AnswerBudget, recorder: LogprobRecorder | None) -> None:
+                  watcher: TextWatcher, budget: AnswerBudget, recorder: LogprobRecorder | None) -> None:
         """Add the cache slot, grammar-fixed tokens, scored tool policy, log-probabilities,
         strict-erase and fidelity-guard entries to the response metadata."""
         metadata = result["metadata"]
@@ -688,7 +689,7 @@ class ChatKVMemory(BaseChatModel):
             return runtime.grammars.json_schema(schema) if schema is not None else runtime.grammars.json_object()
         return None
 
-    def _result(self, watcher: "_TextWatcher", report, reason: str, model_name: str, thread_id: str,
+    def _result(self, watcher: TextWatcher, report, reason: str, model_name: str, thread_id: str,
                 decode_ms: float) -> dict[str, Any]:
         if watcher.watch_calls and CALL_OPEN in watcher.text:
             content, calls, invalid = split_calls(watcher.text, watcher.calls.ids)
@@ -732,7 +733,7 @@ class ChatKVMemory(BaseChatModel):
                 formatted.append(convert_to_openai_tool(tool))
             except (ValueError, TypeError) as exc:
                 raise InputError(f"tool {i} ({type(tool).__name__}) cannot be bound: {exc}".strip()) from exc
-        kwargs["tool_choice"] = _tool_choice(tool_choice, formatted)
+        kwargs["tool_choice"] = normalize_tool_choice(tool_choice, formatted)
         return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(self, schema: dict | type | None = None, *,
@@ -775,90 +776,6 @@ class ChatKVMemory(BaseChatModel):
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
-
-
-class _TextWatcher:
-    """Decodes tokens incrementally and decides what text may be streamed yet: text that could
-    still grow into a stop sequence or a ``<tool_call>`` opener is held back; a stop sequence
-    ends the answer before it; once a tool call opens, nothing more is streamed as text."""
-
-    def __init__(self, tokenizer, stops: list[str], watch_calls: bool):
-        self.tokenizer, self.stops, self.watch_calls = tokenizer, stops, watch_calls
-        self.ids: list[int] = []
-        self.text = ""
-        self.emitted = 0
-        self.stopped = False
-        self.calls = CallStream()
-
-    @property
-    def count(self) -> int:
-        return len(self.ids)
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stops:
-            at = text.find(s)
-            if at >= 0:
-                self.stopped = True
-                text = text[:at]
-        self.text = text
-        if self.stopped:
-            return ""
-        return self._release(self._safe_end(text))
-
-    def call_chunks(self) -> list[dict[str, Any]]:
-        """Tool-call chunks the last token completed (see :class:`CallStream`)."""
-        if not self.watch_calls or CALL_OPEN not in self.text:
-            return []
-        return self.calls.update(self.text)
-
-    def _safe_end(self, text: str) -> int:
-        end = len(text) - (1 if text.endswith("\ufffd") else 0)  # an incomplete UTF-8 character
-        if self.watch_calls:
-            opened = text.find(CALL_OPEN)
-            if opened >= 0:
-                return min(end, opened)
-        for marker in self.stops + ([CALL_OPEN] if self.watch_calls else []):
-            for k in range(min(len(marker) - 1, end), 0, -1):
-                if text[:end].endswith(marker[:k]):
-                    end -= k
-                    break
-        return end
-
-    def _release(self, end: int) -> str:
-        if end <= self.emitted:
-            return ""
-        delta, self.emitted = self.text[self.emitted:end], end
-        return delta
-
-    def finish(self) -> str:
-        """Text still held back when decoding ended (not a tool call)."""
-        end = len(self.text)
-        if self.watch_calls and CALL_OPEN in self.text:
-            end = self.text.find(CALL_OPEN)
-        return self._release(end)
-
-
-def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
-    """Normalise LangChain's tool_choice forms to ``auto`` / ``required`` / ``none`` / a tool name
-    (None: no tools bound, nothing to constrain).
-
-    Raises:
-        ValueError: a forced choice without tools, or a name that is not a bound tool.
-    """
-    if choice is None or choice == "auto" or choice == "none":
-        return (choice or "auto") if tools else None
-    if not tools:
-        raise ValueError(f"tool_choice={choice!r} but no tools are bound: pass tools to bind_tools")
-    if choice is True or choice in ("any", "required"):
-        return "required"
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else choice
-    names = [t["function"]["name"] for t in tools]
-    if name not in names:
-        raise ValueError(f"tool_choice names {name!r}, which is not a bound tool: use one of "
-                         f"{', '.join(names)}, 'auto', 'any' or 'none'")
-    return name
 
 
 def _erase_everywhere(registry: ThreadCaches, thread_id: str, slot: str, session, report) -> dict | None:

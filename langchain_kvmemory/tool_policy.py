@@ -1,5 +1,6 @@
-"""Deciding between a tool call and a text answer under ``tool_choice="auto"`` for models too small
-to open calls by themselves (the ``auto_tool_calls="scored"`` policy of ChatKVMemory).
+"""Tool choice: LangChain's ``tool_choice`` forms normalised, and deciding between a tool call and
+a text answer under ``tool_choice="auto"`` for models too small to open calls by themselves (the
+``auto_tool_calls="scored"`` policy of ChatKVMemory).
 
 The score is the model's own preference: the log-probability of the answer opening with
 ``<tool_call>`` (all its tokens, teacher-forced on a fork of the thread's cache) against the
@@ -16,6 +17,8 @@ turns needing a tool): the small model then answers from context instead of call
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -56,3 +59,24 @@ def scored_choice(session: KVSession, has_tool_results: bool, margin: float = DE
         return "required", None
     gap = call_gap(session)
     return ("required" if gap <= margin else "none"), gap
+
+
+def normalize_tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
+    """Normalise LangChain's tool_choice forms to ``auto`` / ``required`` / ``none`` / a tool name
+    (None: no tools bound, nothing to constrain).
+
+    Raises:
+        ValueError: a forced choice without tools, or a name that is not a bound tool.
+    """
+    if choice is None or choice == "auto" or choice == "none":
+        return (choice or "auto") if tools else None
+    if not tools:
+        raise ValueError(f"tool_choice={choice!r} but no tools are bound: pass tools to bind_tools")
+    if choice is True or choice in ("any", "required"):
+        return "required"
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else choice
+    names = [t["function"]["name"] for t in tools]
+    if name not in names:
+        raise ValueError(f"tool_choice names {name!r}, which is not a bound tool: use one of "
+                         f"{', '.join(names)}, 'auto', 'any' or 'none'")
+    return name

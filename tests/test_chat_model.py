@@ -14,7 +14,8 @@ from langgraph.graph import START, MessagesState, StateGraph
 
 from kvmemory.models import LoadedModel
 from langchain_kvmemory import ChatKVMemory
-from langchain_kvmemory.chat_model import _TextWatcher, _tool_choice
+from langchain_kvmemory.streaming import TextWatcher
+from langchain_kvmemory.tool_policy import normalize_tool_choice
 from langchain_kvmemory.constrained import MAX_FREE_STRING_CHARS, capped_strings
 from langchain_kvmemory.messages import UnsupportedContentError, to_session_messages
 from langchain_kvmemory.tool_calls import format_call, split_calls
@@ -136,11 +137,11 @@ def test_structured_output_follows_the_schema_on_a_random_model(tiny_chat):
 def test_stop_sequences_and_tool_openers_are_held_back(tokenizer):
     ids = tokenizer("Hello wor", add_special_tokens=False)["input_ids"] + \
         tokenizer(" world STOP here", add_special_tokens=False)["input_ids"]
-    watcher = _TextWatcher(tokenizer, ["STOP"], watch_calls=False)
+    watcher = TextWatcher(tokenizer, ["STOP"], watch_calls=False)
     streamed = "".join(watcher.add(t) for t in ids if not watcher.stopped) + watcher.finish()
     assert watcher.stopped and streamed == watcher.text and not streamed.endswith("STOP")
     call = tokenizer("Sure. " + format_call("f", {"a": 1}), add_special_tokens=False)["input_ids"]
-    watcher = _TextWatcher(tokenizer, [], watch_calls=True)
+    watcher = TextWatcher(tokenizer, [], watch_calls=True)
     streamed = "".join(watcher.add(t) for t in call) + watcher.finish()
     assert streamed == "Sure. " and "<" not in streamed
 
@@ -155,12 +156,13 @@ def test_split_calls_keeps_bad_calls_as_invalid_never_drops_them():
 
 def test_tool_choice_forms():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    assert _tool_choice(None, tools) == "auto" and _tool_choice(None, None) is None
-    assert _tool_choice("any", tools) == _tool_choice(True, tools) == _tool_choice("required", tools) == "required"
-    assert _tool_choice({"type": "function", "function": {"name": "f"}}, tools) == "f"
-    assert _tool_choice("none", tools) == "none"
+    assert normalize_tool_choice(None, tools) == "auto" and normalize_tool_choice(None, None) is None
+    forced = [normalize_tool_choice(form, tools) for form in ("any", True, "required")]
+    assert forced == ["required"] * 3
+    assert normalize_tool_choice({"type": "function", "function": {"name": "f"}}, tools) == "f"
+    assert normalize_tool_choice("none", tools) == "none"
     with pytest.raises(ValueError, match="no tools are bound"):
-        _tool_choice("any", [])
+        normalize_tool_choice("any", [])
 
 
 def test_grammar_caps_only_unbounded_strings():
