@@ -429,8 +429,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     def _release(self, entries: dict[str, dict], remaining) -> list[str]:
         """Shred the blobs of ``entries`` (deleted checkpoints' references) that no checkpoint
         ``remaining()`` yields (every stored one; read only when there is something to release)
-        nor an evicted thread names. Block layout: the manifests; their blocks may be shared and wait for
-        collect_garbage. Returns the shredded sha256s."""
+        nor an evicted thread names. Block layout: the manifests (their blocks may be shared:
+        they wait for collect_garbage). Returns the shredded sha256s."""
         if not entries:
             return []
         keep = set(self._entries(remaining())) | {ref.sha256 for ref, _ in self._evicted.values()}

@@ -70,9 +70,12 @@ def _introspectable(kind: type) -> type:
     ``kind``, so capability checks and ``isinstance`` see the wrapper unchanged."""
     if kind not in _introspectable_types:
         def __getattr__(self, name):
-            if name.startswith("__") or "saver" not in self.__dict__:
-                raise AttributeError(name)
-            return getattr(self.__dict__["saver"], name)
+            if name.startswith("_") and not name.startswith("__") and "saver" in self.__dict__:
+                return getattr(self.__dict__["saver"], name)
+            public = getattr(kind, "__getattr__", None)  # public names: the library's own rule
+            if public is None:
+                raise AttributeError(f"{kind.__name__!r} object has no attribute {name!r}")
+            return public(self, name)
 
         def __setattr__(self, name, value):
             saver = self.__dict__.get("saver")

@@ -45,8 +45,9 @@ SUITES = {  # suite -> (distribution, folder in a langgraph checkout)
     "sqlite": ("langgraph-checkpoint-sqlite", "libs/checkpoint-sqlite"),
     "postgres": ("langgraph-checkpoint-postgres", "libs/checkpoint-postgres"),
 }
-# files that build no saver: stores, TTL sweepers, serializers, the Redis cache
-SKIPPED_FILES = ("test_store.py", "test_async_store.py", "test_ttl.py", "test_jsonplus.py", "test_redis_cache.py")
+# files that build no LangGraph saver: stores, TTL sweepers, serializers (plain and encrypted), the Redis cache
+SKIPPED_FILES = ("test_store.py", "test_async_store.py", "test_ttl.py", "test_jsonplus.py", "test_encrypted.py",
+                 "test_redis_cache.py")
 DEFAULT_POSTGRES = os.environ.get("KVMEMORY_POSTGRES_URL", "postgresql://kvmemory:kvmemory@localhost:5432/kvmemory")
 PLUGIN = "kvmemory_lab.harness.upstream_saver_plugin"
 
@@ -165,9 +166,11 @@ def main(argv: list[str] | None = None) -> dict:
     where.add_argument("--download", type=Path, help="pip download the installed versions' sdists here and use them")
     parser.add_argument("--ref", help="git ref (tag) to read from a bare clone given as --source")
     parser.add_argument("--suite", action="append", choices=sorted(SUITES), help="default: all three")
-    parser.add_argument("--postgres", default=DEFAULT_POSTGRES, help="PostgreSQL URL of a role that may create databases")
+    parser.add_argument("--postgres", default=DEFAULT_POSTGRES,
+                        help="PostgreSQL URL of a role that may create databases")
     parser.add_argument("--baseline", action="store_true", help="also run each suite with the savers unwrapped")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON / markdown")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/upstream_saver_tests"),
+                        help="folder for the JSON / markdown")
     parser.add_argument("--timeout-s", type=int, default=900, help="per pytest run")
     args = parser.parse_args(argv)
     source = download_sdists(args.download) if args.download else args.source
@@ -190,8 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if database is not None:
                     drop_database(args.postgres, database)
             results["suites"][suite] = runs
-            print(suite, {run: {k: v for k, v in r.items() if k not in ("failing", "skips")} for run, r in runs.items()},
-                  flush=True)
+            counts = {run: {k: v for k, v in r.items() if k not in ("failing", "skips")} for run, r in runs.items()}
+            print(suite, counts, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "upstream_saver_tests.json").write_text(json.dumps(results, indent=1))
     (args.out / "upstream_saver_tests.md").write_text(to_markdown(results))
