@@ -262,3 +262,18 @@ def test_delete_thread_keeps_blobs_another_thread_still_names(tmp_path, tiny):
         assert again.restored_from["b"] == shared and cache_read(out["messages"][-1]) > 0
         again.delete_thread("b")
         assert again.store.digests() == set()
+
+
+def test_delete_thread_in_the_block_layout_shreds_its_manifests_and_leaves_blocks_to_gc(tmp_path, tiny):
+    chat = ChatKVMemory(model=tiny, max_tokens=3)
+    with KVCheckpointSaver.from_sqlite(tmp_path / "c.sqlite", chat, block_store=tmp_path / "blocks",
+                                       block_tokens=8) as saver:
+        graph = chat_graph(chat, saver)
+        graph.invoke({"messages": TURN1}, config("a"))
+        graph.invoke({"messages": TURN2}, config("a"))
+        store = saver.blocks.store
+        assert len(list(store.list("manifest/"))) == 2 and list(store.list("block/"))
+        saver.delete_thread("a")
+        assert list(store.list("manifest/")) == []  # they hold the thread's messages: gone at once
+        assert list(store.list("block/"))  # may be shared with other threads and workers: left to GC
+        assert saver.collect_garbage(grace_s=0) and list(store.list("block/")) == []
