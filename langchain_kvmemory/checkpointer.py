@@ -129,7 +129,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             ``block_tokens`` / ``keep_states``.
         TypeError: ``caches`` has no thread registry.
         InputTypeError (TypeError): ``saver`` is not a LangGraph checkpoint saver.
-        InputError (ValueError): ``search_depth`` not an int >= 1, or ``blob_dir`` is a file.
+        InputError (ValueError): ``search_depth`` not an int >= 1, ``blob_dir`` is a file, or
+            ``keeps_history`` not a bool / None.
     """
 
     def __new__(cls, saver: BaseCheckpointSaver | None = None, *args, **kwargs):
@@ -167,7 +168,9 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.store = None if self.blocks is not None else \
             BlobStore(blob_dir if blob_dir is not None else _default_blob_dir(saver))
         self.search_depth = search_depth
-        self.keeps_history = _keeps_history(saver) if keeps_history is None else bool(keeps_history)
+        if keeps_history is not None and not isinstance(keeps_history, bool):
+            raise InputError(f"keeps_history must be True, False or None to detect it (got {keeps_history!r})")
+        self.keeps_history = _keeps_history(saver) if keeps_history is None else keeps_history
         self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
         self.restored_from: dict[str, str] = {}  # thread id -> sha256 of the verified blob it resumed from
         self._stored: dict[str, tuple[tuple, BlobRef, dict]] = {}  # thread id -> (fingerprint, blob, metadata entry)

@@ -201,6 +201,10 @@ def test_capabilities_follow_the_wrapped_saver(tmp_path, tiny, pg_url):
         # PostgresSaver implements prune but not aprune (LangGraph's capability check reads the async one)
         assert type(over_postgres).prune is not BaseCheckpointSaver.prune
         assert type(over_postgres).aprune is BaseCheckpointSaver.aprune
+        assert over_sqlite.keeps_history is True
+        assert KVCheckpointSaver(sqlite, registry, blob_dir=tmp_path, keeps_history=False).keeps_history is False
+        with pytest.raises(ValueError, match="keeps_history"):
+            KVCheckpointSaver(sqlite, registry, blob_dir=tmp_path, keeps_history="no")
         with pytest.raises(NotImplementedError):
             over_sqlite.prune(["t-1"])
         with pytest.raises(NotImplementedError):

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"versions": installed_versions(), "source": str(source), "ref": args.ref, "suites": {}}
     with tempfile.TemporaryDirectory(prefix="kvm-upstream-") as scratch:
         base_env = {**os.environ, "KVM_UPSTREAM_BLOB_DIR": str(Path(scratch) / "blobs"),
-                    "PYTHONPATH": os.pathsep.join([*sys.path[1:], os.environ.get("PYTHONPATH", "")])}
+                    # absolute: pytest runs in the temporary folder
+                    "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path[1:] if p)}
         for suite in suites:
             folder = tests_folder(source, suite, args.ref, Path(scratch))
             env, database = dict(base_env), None
