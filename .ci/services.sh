@@ -29,6 +29,8 @@ psql_admin() { as_root runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtA "$@";
 if [ "$(psql_admin -c "SELECT 1 FROM pg_roles WHERE rolname = 'kvmemory'")" != 1 ]; then
     psql_admin -c "CREATE ROLE kvmemory LOGIN PASSWORD 'kvmemory'"
 fi
+# CREATEDB: LangGraph's own PostgreSQL saver tests (kvmemory_lab.harness.upstream_saver_tests) make one per test
+psql_admin -c "ALTER ROLE kvmemory CREATEDB"
 if [ "$(psql_admin -c "SELECT 1 FROM pg_database WHERE datname = 'kvmemory'")" != 1 ]; then
     psql_admin -c "CREATE DATABASE kvmemory OWNER kvmemory"
 fi

@@ -36,6 +36,7 @@ import logging
 import sqlite3
 import threading
 from contextlib import asynccontextmanager, contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Literal, Sequence
 
@@ -102,6 +103,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             ``block_store`` is given).
         search_depth: how many older checkpoints of a thread to look through for the newest
             blob reference when the requested checkpoint has none.
+        keeps_history: whether ``saver`` keeps a thread's older checkpoints (answers
+            ``list(before=...)``); None detects it: False for savers that keep only the newest
+            checkpoint (LangGraph's ``ShallowPostgresSaver`` / ``AsyncShallowPostgresSaver``),
+            whose newest checkpoint alone is searched for a blob reference.
         block_store: the store of the content-addressed token blocks (a
             :class:`~.blockstore.BlockStore`, a folder, or a ``redis://`` / ``postgresql://``
             URL; default: the filesystem store in ``blob_dir``); see :mod:`.blockpersist`. A
@@ -115,13 +120,30 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             ``"blobs"`` (one self-contained blob per stored state, the earlier layout; kept as the
             reference the persistence benchmark compares with).
 
+    The wrapped saver's contract is kept: ``prune`` / ``aprune`` / ``delete_for_runs`` /
+    ``adelete_for_runs`` exist exactly when ``saver`` implements them (so LangGraph's capability
+    checks see the same saver), and any other public attribute of ``saver`` (``setup``,
+    ``conn``, ``from_conn_string`` connections' ``cursor`` ...) is read through from it, sync or
+    async as ``saver`` defines it. Deleting checkpoints (``delete_thread``, ``prune``,
+    ``delete_for_runs``) also shreds the blobs (block layout: the manifests) that only they
+    referenced; blocks are left to :meth:`collect_garbage`, whose grace period protects other
+    workers' writes in flight. ``with`` / ``async with`` enter the wrapped saver when it is a
+    context manager and close, on exit, the block store this saver opened from a URL or folder.
+
     Raises:
-        ValueError: no ``blob_dir`` and none can be derived from ``saver`` (blob layout), or bad
+        ValueError: no ``blob_dir`` nor ``block_store``, and no folder can be derived from ``saver``, or bad
             ``block_tokens`` / ``keep_states``.
         TypeError: ``caches`` has no thread registry.
         InputTypeError (TypeError): ``saver`` is not a LangGraph checkpoint saver.
-        InputError (ValueError): ``search_depth`` not an int >= 1, or ``blob_dir`` is a file.
+        InputError (ValueError): ``search_depth`` not an int >= 1, ``blob_dir`` is a file, or
+            ``keeps_history`` not a bool / None.
     """
+
+    def __new__(cls, saver: BaseCheckpointSaver | None = None, *args, **kwargs):
+        # the optional deletions exist on the wrapper's type exactly when the wrapped saver has them
+        missing = frozenset(m for m in OPTIONAL_METHODS if isinstance(saver, BaseCheckpointSaver)
+                            and not _overrides(saver, m))
+        return super().__new__(_variant(cls, missing))
 
     def __init__(
         self,
@@ -135,6 +157,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         keep_states: int | None = None,
         worker_id: str | None = None,
         layout: Literal["blocks", "blobs"] = "blocks",
+        keeps_history: bool | None = None,
     ):
         _check_saver_arguments(saver, blob_dir, search_depth)
         block_store = _block_store_for(layout, block_store, blob_dir, saver)
@@ -142,13 +165,20 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.saver = saver
         self.threads = registry_of(caches) if caches is not None else None
         self.blocks: BlockPersistence | None = None
+        self._opened: list = []  # what this saver opened itself and closes on exit
+        self._entered = False
         if block_store is not None:
             store = block_store if isinstance(block_store, BlockStore) else open_block_store(block_store)
+            if store is not block_store:
+                self._opened.append(store)
             self.blocks = BlockPersistence(store, block_tokens=block_tokens, keep_states=keep_states,
                                            worker_id=worker_id)
         self.store = None if self.blocks is not None else \
             BlobStore(blob_dir if blob_dir is not None else _default_blob_dir(saver))
         self.search_depth = search_depth
+        if keeps_history is not None and not isinstance(keeps_history, bool):
+            raise InputError(f"keeps_history must be True, False or None to detect it (got {keeps_history!r})")
+        self.keeps_history = _keeps_history(saver) if keeps_history is None else keeps_history
         self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
         self.restored_from: dict[str, str] = {}  # thread id -> sha256 of the verified blob it resumed from
         self._stored: dict[str, tuple[tuple, BlobRef, dict]] = {}  # thread id -> (fingerprint, blob, metadata entry)
@@ -168,14 +198,18 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """A saver over ``SqliteSaver`` on the database file ``path`` (blobs in ``<path>.kvcache``);
         the connection closes when the context ends.
 
+        ``path`` may be ``":memory:"`` with ``blob_dir=`` (or ``block_store=``): the checkpoints
+        then live as long as the connection, the blobs in that folder.
+
         Raises:
-            ValueError: ``path`` is ``":memory:"`` and no ``blob_dir`` is given.
+            ValueError: ``path`` is ``":memory:"`` and neither ``blob_dir`` nor ``block_store``
+                is given (an in-memory database has no folder to put blobs next to).
         """
         from langgraph.checkpoint.sqlite import SqliteSaver
 
-        kwargs.setdefault("blob_dir", _blob_dir_for(path))
-        with SqliteSaver.from_conn_string(str(path)) as saver:
-            yield cls(saver, caches, **kwargs)
+        _default_blob_dir_for(path, kwargs)
+        with SqliteSaver.from_conn_string(str(path)) as saver, cls(saver, caches, **kwargs) as wrapped:
+            yield wrapped
 
     @classmethod
     @asynccontextmanager
@@ -183,11 +217,58 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         """Like :meth:`from_sqlite`, over ``AsyncSqliteSaver`` (for ``ainvoke`` / ``astream``)."""
         from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-        kwargs.setdefault("blob_dir", _blob_dir_for(path))
-        async with AsyncSqliteSaver.from_conn_string(str(path)) as saver:
-            yield cls(saver, caches, **kwargs)
+        _default_blob_dir_for(path, kwargs)
+        async with AsyncSqliteSaver.from_conn_string(str(path)) as saver, cls(saver, caches, **kwargs) as wrapped:
+            yield wrapped
 
     # ------------------------------------------------ delegated basics
+    def __getattr__(self, name: str) -> Any:
+        """Public attributes the wrapper lacks are the wrapped saver's (``setup``, ``conn``,
+        ``cursor``, ``storage`` ...); private names are not forwarded."""
+        saver = self.__dict__.get("saver")
+        if saver is None or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(saver, name)
+
+    def __enter__(self) -> "KVCheckpointSaver":
+        if hasattr(type(self.saver), "__enter__"):
+            self.saver.__enter__()
+            self._entered = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            if self._entered:
+                self._entered = False
+                return self.saver.__exit__(exc_type, exc, tb)
+        finally:
+            self.close()
+
+    async def __aenter__(self) -> "KVCheckpointSaver":
+        if hasattr(type(self.saver), "__aenter__"):
+            await self.saver.__aenter__()
+            self._entered = True
+        elif hasattr(type(self.saver), "__enter__"):
+            self.saver.__enter__()
+            self._entered = True
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        try:
+            if self._entered:
+                self._entered = False
+                if hasattr(type(self.saver), "__aexit__"):
+                    return await self.saver.__aexit__(exc_type, exc, tb)
+                return self.saver.__exit__(exc_type, exc, tb)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close what this saver opened itself (a block store built from a URL or folder); the
+        wrapped saver and a store passed in as an object belong to the caller."""
+        while self._opened:
+            self._opened.pop().close()
+
     @property
     def config_specs(self) -> list:
         return self.saver.config_specs
@@ -199,7 +280,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         inner = self.saver.with_allowlist(extra_allowlist)
         if inner is self.saver:
             return self
-        clone = KVCheckpointSaver.__new__(KVCheckpointSaver)
+        clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)  # shares the store, registry and bookkeeping
         clone.saver, clone.serde = inner, inner.serde
         return clone
@@ -248,9 +329,35 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         return self.saver.put_writes(config, writes, task_id, task_path)
 
     def delete_thread(self, thread_id: str) -> None:
-        """Delete the thread's checkpoints and forget its live cache (blobs: see collect_garbage)."""
+        """Delete the thread's checkpoints, forget its live cache and shred the blobs (block
+        layout: manifests) no remaining checkpoint references."""
+        entries = self._entries(self.saver.list({"configurable": {"thread_id": str(thread_id)}}))
         self.saver.delete_thread(thread_id)
         self._forget(thread_id)
+        self._release(entries, lambda: self.saver.list(None))
+
+    def prune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """The wrapped saver's ``prune`` (present only when it has one); then shreds the blobs
+        (block layout: manifests) that only the pruned checkpoints referenced. ``"delete"`` also
+        forgets the threads' live caches; ``"keep_latest"`` keeps them (the newest checkpoint,
+        which they belong to, stays)."""
+        entries = self._entries(t for tid in _thread_list(thread_ids)
+                                for t in self.saver.list({"configurable": {"thread_id": tid}}))
+        self.saver.prune(thread_ids, strategy=strategy)
+        if strategy == "delete":
+            for tid in _thread_list(thread_ids):
+                self._forget(tid)
+        self._release(entries, lambda: self.saver.list(None))
+
+    def delete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """The wrapped saver's ``delete_for_runs`` (present only when it has one); the threads
+        those runs wrote to lose their live caches (which hold the runs' messages) and the blobs
+        only the deleted checkpoints referenced are shredded."""
+        doomed = [t for run in run_ids for t in self.saver.list(None, filter={"run_id": run})]
+        self.saver.delete_for_runs(run_ids)
+        for tid in {_thread_and_ns(t.config)[0] for t in doomed}:
+            self._forget(tid)
+        self._release(self._entries(doomed), lambda: self.saver.list(None))
 
     # ------------------------------------------------------------ async API
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
@@ -258,13 +365,11 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         tup = await self.saver.aget_tuple(config)
         if tup is not None and self.blocks is not None:
             if self._is_root_thread(tup):
-                older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
-                await asyncio.to_thread(self._sync_blocks, tup, older)
+                await asyncio.to_thread(self._sync_blocks, tup, await self._older_async(tup))
         elif tup is not None and self._wants_restore(tup):
             ref = self._evicted_ref(tup)
             if ref is None:
-                older = [t async for t in self._older_async(tup)] if CACHE_KEY not in (tup.metadata or {}) else []
-                ref = self._newest_ref(tup, older)
+                ref = self._newest_ref(tup, await self._older_async(tup))
             if ref is not None:
                 await asyncio.to_thread(self._restore, _thread_and_ns(tup.config)[0], ref)
         return tup
@@ -302,8 +407,62 @@ class KVCheckpointSaver(BaseCheckpointSaver):
 
     async def adelete_thread(self, thread_id: str) -> None:
         """Async :meth:`delete_thread`."""
+        entries = self._entries([t async for t in self.saver.alist({"configurable": {"thread_id": str(thread_id)}})])
         await self.saver.adelete_thread(thread_id)
         self._forget(thread_id)
+        await self._arelease(entries)
+
+    async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
+        """Async :meth:`prune`."""
+        entries = self._entries([t for tid in _thread_list(thread_ids)
+                                 async for t in self.saver.alist({"configurable": {"thread_id": tid}})])
+        await self.saver.aprune(thread_ids, strategy=strategy)
+        if strategy == "delete":
+            for tid in _thread_list(thread_ids):
+                self._forget(tid)
+        await self._arelease(entries)
+
+    async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
+        """Async :meth:`delete_for_runs`."""
+        doomed = [t for run in run_ids async for t in self.saver.alist(None, filter={"run_id": run})]
+        await self.saver.adelete_for_runs(run_ids)
+        for tid in {_thread_and_ns(t.config)[0] for t in doomed}:
+            self._forget(tid)
+        await self._arelease(self._entries(doomed))
+
+    # ------------------------------------------------- blobs of deleted checkpoints
+    @staticmethod
+    def _entries(tuples) -> dict[str, dict]:
+        """sha256 -> cache entry, for the checkpoints ``tuples``."""
+        return {raw["sha256"]: raw for t in tuples
+                if isinstance(raw := (t.metadata or {}).get(CACHE_KEY), dict) and "sha256" in raw}
+
+    def _release(self, entries: dict[str, dict], remaining) -> list[str]:
+        """Shred the blobs of ``entries`` (deleted checkpoints' references) that no checkpoint
+        ``remaining()`` yields (every stored one; read only when there is something to release)
+        nor an evicted thread names. Block layout: the manifests (their blocks may be shared:
+        they wait for collect_garbage). Returns the shredded sha256s."""
+        if not entries:
+            return []
+        keep = set(self._entries(remaining())) | {ref.sha256 for ref, _ in self._evicted.values()}
+        doomed = sorted(set(entries) - keep)
+        with self._erase_lock:  # a strict-erase purge may shred the same files
+            if self.blocks is not None:
+                gone = [sha for sha in doomed if self.blocks.store.delete(f"manifest/{sha}", shred=True)]
+            else:
+                gone = [sha for sha in doomed if shred(self.store, sha)]
+            for tid, (_, ref, _) in list(self._stored.items()):
+                if ref.sha256 in gone:
+                    self._stored.pop(tid, None)
+        if gone:
+            log.info("kvmemory: shredded %d cache blobs only deleted checkpoints referenced", len(gone))
+        return gone
+
+    async def _arelease(self, entries: dict[str, dict]) -> list[str]:
+        if not entries:
+            return []
+        remaining = [t async for t in self.saver.alist(None)]
+        return await asyncio.to_thread(self._release, entries, lambda: remaining)
 
     # --------------------------------------------------------- copy_thread
     def copy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
@@ -645,12 +804,14 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         return self.threads is not None and tid is not None and ns == "" and tid not in self.threads
 
     def _older_sync(self, tup: CheckpointTuple) -> list[CheckpointTuple]:
-        if CACHE_KEY in (tup.metadata or {}):
+        if CACHE_KEY in (tup.metadata or {}) or not self.keeps_history:
             return []
         return list(self.saver.list(_thread_config(tup), before=tup.config, limit=self.search_depth))
 
-    def _older_async(self, tup: CheckpointTuple):
-        return self.saver.alist(_thread_config(tup), before=tup.config, limit=self.search_depth)
+    async def _older_async(self, tup: CheckpointTuple) -> list[CheckpointTuple]:
+        if CACHE_KEY in (tup.metadata or {}) or not self.keeps_history:
+            return []
+        return [t async for t in self.saver.alist(_thread_config(tup), before=tup.config, limit=self.search_depth)]
 
     def _evicted_ref(self, tup: CheckpointTuple) -> BlobRef | None:
         """The blob written when the thread was evicted in this process (its newest state), if any."""
@@ -722,6 +883,37 @@ def _overrides(saver: BaseCheckpointSaver, method: str) -> bool:
     return getattr(type(saver), method) is not getattr(BaseCheckpointSaver, method)
 
 
+# LangGraph saver methods a saver may leave unimplemented (BaseCheckpointSaver's raise NotImplementedError)
+OPTIONAL_METHODS = ("prune", "aprune", "delete_for_runs", "adelete_for_runs")
+# savers that keep only each thread's newest checkpoint (their list(before=...) is not supported)
+NEWEST_ONLY_SAVERS = frozenset({
+    "langgraph.checkpoint.postgres.shallow.ShallowPostgresSaver",
+    "langgraph.checkpoint.postgres.shallow.AsyncShallowPostgresSaver",
+})
+
+
+@lru_cache(maxsize=None)
+def _variant(cls: type, missing: frozenset) -> type:
+    """``cls`` with the optional methods in ``missing`` reset to BaseCheckpointSaver's (which
+    raise NotImplementedError), so capability checks by type see what the wrapped saver has."""
+    if not missing:
+        return cls
+    reset = {m: getattr(BaseCheckpointSaver, m) for m in missing}
+    return type(cls.__name__, (cls,), {**reset, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                        "__doc__": cls.__doc__})
+
+
+def _keeps_history(saver: BaseCheckpointSaver) -> bool:
+    if isinstance(saver, KVCheckpointSaver):
+        return saver.keeps_history
+    return not any(f"{c.__module__}.{c.__qualname__}" in NEWEST_ONLY_SAVERS for c in type(saver).__mro__)
+
+
+def _thread_list(thread_ids: Sequence[str]) -> list[str]:
+    # a bare string would be iterated per character: the wrapped saver rejects it, so pass it on untouched
+    return [] if isinstance(thread_ids, str) else [str(t) for t in thread_ids]
+
+
 def _copied(tup: CheckpointTuple, target: str) -> tuple[RunnableConfig, list[tuple[str, list]]]:
     """The put config of ``tup`` in thread ``target`` (same namespace and parent) and its pending
     writes grouped by task, in their stored order."""
@@ -764,9 +956,16 @@ def _block_store_for(layout: str, block_store, blob_dir, saver):
     return block_store if block_store is not None else (blob_dir if blob_dir is not None else _default_blob_dir(saver))
 
 
+def _default_blob_dir_for(path: str | Path, kwargs: dict) -> None:
+    """Set ``kwargs["blob_dir"]`` to ``<path>.kvcache`` unless a blob folder or block store is given."""
+    if kwargs.get("blob_dir") is None and kwargs.get("block_store") is None:
+        kwargs["blob_dir"] = _blob_dir_for(path)
+
+
 def _blob_dir_for(path: str | Path) -> Path:
     if str(path) == ":memory:" or str(path).startswith("file::memory:"):
-        raise ValueError("an in-memory SQLite database has no folder for cache blobs: pass blob_dir=...")
+        raise ValueError("an in-memory SQLite database has no folder for cache blobs: pass blob_dir=... (a folder "
+                         "that outlives the process if caches should survive it) or block_store=...")
     path = Path(path)
     return path.with_name(path.name + BLOB_DIR_SUFFIX)
 

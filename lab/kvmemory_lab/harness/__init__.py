@@ -1,3 +1,4 @@
 """Reliability harnesses run by ``kvmemory bench reliability`` and the tests: SIGKILL crash
 safety of the checkpointer (``crash``) and concurrent LangGraph threads under a memory budget
-(``concurrency``)."""
+(``concurrency``); LangGraph's own saver tests with every saver wrapped in the checkpointer
+(``upstream_saver_tests``, by hand)."""
