@@ -287,9 +287,10 @@ def markdown(result: dict) -> str:
                   "", f"Block writes: median {s['write_ms_median']:.0f} ms per turn; restore into a fresh worker: "
                   f"median {s['restore_ms_median']:.0f} ms."]
         peak = max(s["turns"], key=lambda r: r["stored_bytes"] / r["cache_bytes"])
-        lines += [f"Peak stored / live cache: {peak['stored_bytes'] / peak['cache_bytes']:.2f}× at turn {peak['turn']} "
-                  "(right after a clear the two retained states share only the blocks before the cleared tool "
-                  "result; the next turn drops the older one)."]
+        why = (" (right after a clear the retained states share only the blocks before the cleared tool result; "
+               "the next turns drop the older ones)") if s["keep_states"] > 1 else ""
+        lines += [f"Peak stored / live cache: {peak['stored_bytes'] / peak['cache_bytes']:.2f}× at turn "
+                  f"{peak['turn']}{why}."]
         if s.get("restore_at"):
             r = s["restore_at"]
             lines += [f"At {r['tokens']} tokens: restore from Redis {r['restore_ms']:.0f} ms vs Re-prefill "
