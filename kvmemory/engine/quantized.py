@@ -4,11 +4,13 @@ The embedded SmolLM2's fp32 weights *are* the dequantized blocks of its packaged
 Q4_1, the tied embedding / head Q8_0). Keeping the blocks moves 1/5 of the bytes per decoded
 token at the same weights: ``x @ dequantize(blocks).T`` equals ``x @ W.T`` up to fp32 rounding.
 The kernel (``quantized_linear.cpp``) is compiled on first use with the machine's C++ compiler
-(torch.utils.cpp_extension, ~30-60 s once, cached under kvmemory's cache folder).
+(torch.utils.cpp_extension, ~30-60 s once, cached under kvmemory's cache folder in a folder
+named by a hash of the source and flags).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -61,10 +63,13 @@ def _build():
     from ..models import cache_root
 
     source = Path(__file__).with_name("quantized_linear.cpp")
-    folder = cache_root() / "kernels" / f"torch-{torch.__version__}"
-    folder.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-march=native", "-ffast-math" if os.environ.get("KVMEMORY_FAST_MATH") else "-fno-fast-math"]
-    return load(name="kvmemory_quantized_linear", sources=[str(source)], extra_cflags=flags,
+    # one folder (and module name) per source text and flags: two checkouts of different versions
+    # on one machine never load each other's build
+    digest = hashlib.sha256(source.read_bytes() + "\0".join(flags).encode()).hexdigest()[:12]
+    folder = cache_root() / "kernels" / f"torch-{torch.__version__}-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return load(name=f"kvmemory_quantized_linear_{digest}", sources=[str(source)], extra_cflags=flags,
                 build_directory=str(folder), verbose=False)
 
 
