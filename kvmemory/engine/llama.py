@@ -44,13 +44,13 @@ class QuantizedLlama:
     """A Llama-family decoder on GGUF blocks (see the module docstring). Build with
     :func:`kvmemory.engine.attach`, which verifies the blocks against the model's weights."""
 
-    kind = "q4_1"
-
-    def __init__(self, model, layers: list[_Layer], head: Q8Linear):
+    def __init__(self, model, layers: list[_Layer], head: Q8Linear, int8_activations: bool = False):
         text = model.config.get_text_config()
         self.model = model
         self.layers = layers
         self.head = head
+        self.int8 = int8_activations  # the block path (decode, short appends, head) rounds activations to int8
+        self.kind = "q4_1_int8" if int8_activations else "q4_1"
         self.heads = text.num_attention_heads
         self.kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.heads
@@ -72,7 +72,7 @@ class QuantizedLlama:
         return kernel().LlamaDecoder(
             triples("qkv"), triples("o"), triples("gate_up"), triples("down"), norms_in, norms_post,
             self.model.model.norm.weight.detach(), self.head.codes, self.head.scales,
-            self.heads, self.kv_heads, self.head_dim, float(eps), float(self.scale),
+            self.heads, self.kv_heads, self.head_dim, float(eps), float(self.scale), self.int8,
         )
 
     @property
@@ -116,7 +116,7 @@ class QuantizedLlama:
             hidden = self._layer(layer, hidden, storage.keys[i], storage.values[i], start, cos, sin, mask, dense)
         self.buffers.publish(cache, storage, start + n)
         last = body.norm(hidden[-1:])
-        return self.head(last)[0]
+        return self.head(last, int8=self.int8)[0]
 
     def _layer(self, layer: _Layer, hidden, keys, values, start, cos, sin, mask, dense):
         n = hidden.shape[0]
@@ -137,7 +137,7 @@ class QuantizedLlama:
         if dense:
             gate, up = F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)
         else:
-            gate, up = layer.gate_up(x).split(mlp.gate_proj.out_features, dim=-1)
+            gate, up = layer.gate_up(x, int8=self.int8).split(mlp.gate_proj.out_features, dim=-1)
         return hidden + self._linear(layer.down, mlp.down_proj, mlp.act_fn(gate) * up, dense)
 
     def _attend(self, q, keys, values, mask):
@@ -158,11 +158,10 @@ class QuantizedLlama:
         if dense:
             return F.linear(x, attn.q_proj.weight), F.linear(x, attn.k_proj.weight), F.linear(x, attn.v_proj.weight)
         sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        return layer.qkv(x).split(sizes, dim=-1)
+        return layer.qkv(x, int8=self.int8).split(sizes, dim=-1)
 
-    @staticmethod
-    def _linear(blocks: Q4Linear, module, x, dense):
-        return F.linear(x, module.weight) if dense else blocks(x)
+    def _linear(self, blocks: Q4Linear, module, x, dense):
+        return F.linear(x, module.weight) if dense else blocks(x, int8=self.int8)
 
 
 def _watch(model) -> list:

@@ -90,8 +90,11 @@ class Q4Linear:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]``."""
+    def __call__(self, x: torch.Tensor, int8: bool = False) -> torch.Tensor:
+        """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]``. ``int8``: quantize ``x`` to int8 per
+        32-value block first and multiply with VNNI integer dot products (lossy, see the kernel)."""
+        if int8:
+            return kernel().q4_1_linear_i8(x.contiguous(), self.codes, self.scales, self.mins)
         return kernel().q4_1_linear(x.contiguous(), self.codes, self.scales, self.mins)
 
     def dequantize(self) -> torch.Tensor:
@@ -134,7 +137,10 @@ class Q8Linear:
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 4
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, int8: bool = False) -> torch.Tensor:
+        """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]`` (``int8`` as for :class:`Q4Linear`)."""
+        if int8:
+            return kernel().q8_0_linear_i8(x.contiguous(), self.codes, self.scales)
         return kernel().q8_0_linear(x.contiguous(), self.codes, self.scales)
 
     def dequantize(self) -> torch.Tensor:

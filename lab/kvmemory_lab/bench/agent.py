@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="sur@5", help="kvmemory repair policies, comma list (default sur@5)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="kvmemory's model dtype (default fp32)")
     parser.add_argument("--engines", default="auto",
-                        help="kvmemory row engines, comma list of auto, q4_1, transformers (default auto)")
+                        help=f"kvmemory row engines, comma list of {', '.join(ENGINES)} (default auto)")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp CPU threads (default 2)")
     parser.add_argument("--quick", action="store_true", help="context 768, 1 trial, 4-token answers, 8-token decode (a fast check)")
     parser.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
