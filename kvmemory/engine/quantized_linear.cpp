@@ -26,6 +26,9 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kMaxM = 8;  // activation rows handled together (one pass over the codes)
+// One-row (decode) kernels read each weight once per token from memory: they prefetch the rows
+// this many rows ahead of use (prefetches never fault, also past the end).
+constexpr int64_t kPrefetchRows = 16;
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, int64_t code_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
@@ -68,8 +71,13 @@ void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
       const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+      if ((b & 3) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+      }
       for (int r = 0; r < 4; ++r) {
         const int64_t row = o + r;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ((row + kPrefetchRows) * nb + b) * 16), _MM_HINT_T0);
         const __m512i bytes = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (row * nb + b) * 16)));
         __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4)), x0);
@@ -159,8 +167,10 @@ void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float*
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
       const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+      if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
       for (int r = 0; r < 4; ++r) {
         const int8_t* q = codes + (o + r) * K + b * kBlock;
+        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
         const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
         const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
         __m512 t = _mm512_mul_ps(a, x0);
@@ -257,14 +267,31 @@ struct Q8Activation {
   std::vector<int32_t> offsets;
 };
 
-// Quantize one 32-value block: writes the bytes to `out` (in order) and returns its scale e.
-inline float quantize_block(const float* x, int8_t* out) {
-  float amax = 0.f;
+// Quantize one 32-value block: writes the bytes to `out` (in order) and returns its scale e;
+// `total` gets the block's fp32 sum.
+inline float quantize_block(const float* x, int8_t* out, float* total) {
+#if defined(__AVX512F__)
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const float e = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(e > 0.f ? 1.f / e : 0.f);
+  // cvtps rounds to nearest even (the default rounding mode), as std::nearbyint does
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+  *total = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+  return e;
+#else
+  float amax = 0.f, sum = 0.f;
   for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float e = amax / 127.f;
   const float inv = e > 0.f ? 1.f / e : 0.f;
-  for (int64_t j = 0; j < kBlock; ++j) out[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+  for (int64_t j = 0; j < kBlock; ++j) {
+    out[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+    sum += x[j];
+  }
+  *total = sum;
   return e;
+#endif
 }
 
 void quantize_for_q4(const float* x, int64_t K, Q4Activation& a) {
@@ -274,14 +301,11 @@ void quantize_for_q4(const float* x, int64_t K, Q4Activation& a) {
   a.sums.assign(nb, 0.f);
   int8_t block[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
-    const float e = quantize_block(x + b * kBlock, block);
+    const float e = quantize_block(x + b * kBlock, block, &a.sums[b]);
     const int64_t g = b / kGroup, slot = b % kGroup;
     std::copy(block, block + 16, a.codes.begin() + g * 128 + slot * 16);
     std::copy(block + 16, block + 32, a.codes.begin() + g * 128 + 64 + slot * 16);
     std::fill(a.scales.begin() + g * 16 + slot * 4, a.scales.begin() + g * 16 + slot * 4 + 4, e);
-    float total = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) total += x[b * kBlock + j];
-    a.sums[b] = total;
   }
 }
 
@@ -291,7 +315,8 @@ void quantize_for_q8(const float* x, int64_t K, Q8Activation& a) {
   a.scales.assign(pairs * 16, 0.f);
   a.offsets.assign(pairs * 16, 0);
   for (int64_t b = 0; b < nb; ++b) {
-    const float e = quantize_block(x + b * kBlock, a.codes.data() + b * kBlock);
+    float unused;
+    const float e = quantize_block(x + b * kBlock, a.codes.data() + b * kBlock, &unused);
     std::fill(a.scales.begin() + b * 8, a.scales.begin() + b * 8 + 8, e);
   }
   for (int64_t lane = 0; lane < pairs * 16; ++lane) {
@@ -356,8 +381,11 @@ void q4_rows_i8_single(const Q4Activation& a, int64_t K, const uint8_t* codes, c
       const __m512i a_lo = _mm512_loadu_si512(a.codes.data() + g * 128);
       const __m512i a_hi = _mm512_loadu_si512(a.codes.data() + g * 128 + 64);
       const __m512 e = _mm512_loadu_ps(a.scales.data() + g * 16);
+      _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + g * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + g * 16), _MM_HINT_T0);
       for (int r = 0; r < 4; ++r) {
         const int64_t row = o + r;
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (row + kPrefetchRows) * nb * 16 + g * 64), _MM_HINT_T0);
         const __m512i c = _mm512_maskz_loadu_epi8(bytes_mask, codes + row * nb * 16 + g * 64);
         __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(c, low4), a_lo);
         t = _mm512_dpbusd_epi32(t, _mm512_and_si512(_mm512_srli_epi16(c, 4), low4), a_hi);
@@ -399,7 +427,12 @@ void q8_rows_i8_single(const Q8Activation& a, int64_t K, const int8_t* codes, co
       const __m512i ac = _mm512_loadu_si512(a.codes.data() + p * 64);
       const __m512i off = _mm512_loadu_si512(a.offsets.data() + p * 16);
       const __m512 e = _mm512_loadu_ps(a.scales.data() + p * 16);
-      for (int r = 0; r < 4; ++r) step(o + r, p, ac, off, e, acc[r]);
+      for (int r = 0; r < 4; ++r) {
+        // the head is read once per token from memory: ask for rows well ahead of use
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (o + r + kPrefetchRows) * K + p * 64), _MM_HINT_T0);
+        step(o + r, p, ac, off, e, acc[r]);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + p * 8), _MM_HINT_T0);
     }
     for (int r = 0; r < 4; ++r) y[o + r] = _mm512_reduce_add_ps(acc[r]);
   }
