@@ -128,6 +128,18 @@ def test_a_replaced_layer_gets_a_fresh_buffer():
         buffers.reserve(cache, 5, 1)
 
 
+def test_a_cropped_cache_gets_its_reserved_capacity_back():
+    """After a crop (the last answer's rows dropped) the fresh buffer keeps the capacity reserved
+    before, so the next answer of the same length needs no second copy of every row."""
+    buffers = CacheBuffers(kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    cache = kvcache.from_tensors([(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))])
+    storage = buffers.reserve(cache, 3, 1, capacity=12)
+    buffers.publish(cache, storage, 9)
+    cache.crop(-4)
+    again = buffers.reserve(cache, 5, 1)
+    assert again.capacity == 12 and again.all_keys.data_ptr() != storage.all_keys.data_ptr()
+
+
 def test_modified_weights_and_adapters_fall_back_to_transformers():
     loaded = load_model()
     model = loaded.model
