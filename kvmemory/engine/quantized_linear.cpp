@@ -1,4 +1,5 @@
-// Linears over GGUF Q4_1 / Q8_0 weight blocks, computed in fp32 (CPU).
+// Linears over GGUF Q4_1 / Q8_0 weight blocks, computed in fp32 (CPU), and the same with int8
+// activations (VNNI; below).
 //
 // A Q4_1 block holds 32 weights of one output row as w_j = d * q_j + m (q_j a 4-bit code; bytes
 // 0..15 hold codes 0..15 in their low nibbles and codes 16..31 in their high nibbles, as in GGUF).
@@ -497,7 +498,9 @@ torch::Tensor q4_1_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor
 #endif
 }
 
-// x [1, K] fp32, codes int8 [N, K], d fp32 [N, K/32] -> y [1, N] fp32 with x quantized to int8.
+// x [M, K] fp32, codes int8 [N, K], d fp32 [N, K/32] -> y [M, N] fp32 with x quantized to int8.
+// Rows of x are taken one at a time (one pass over the codes each): the engine calls it for the
+// last row only (the head).
 torch::Tensor q8_0_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor d) {
   check_inputs(x, codes, d, kBlock);
   TORCH_CHECK(codes.scalar_type() == torch::kInt8, "Q8_0 codes must be int8");
