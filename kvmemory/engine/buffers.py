@@ -53,7 +53,8 @@ class CacheBuffers:
 
         ``capacity``: the rows the caller expects the cache to reach (e.g. prompt + answer limit),
         allocated at once when the storage must grow; without it the storage grows to exactly
-        ``start + rows`` (no slack a memory budget did not reserve).
+        ``start + rows``, or to the capacity this cache's previous storage had (no slack a
+        memory budget did not reserve before).
 
         Raises:
             ValueError: the cache does not hold exactly ``start`` rows.
@@ -63,7 +64,11 @@ class CacheBuffers:
             raise ValueError(f"the cache holds {held} rows, the engine was asked to append at row {start}")
         storage = self._storage.get(cache)
         if storage is None or not self._owns(cache, storage) or storage.capacity < start + rows:
-            storage = self._allocate(cache, start, max(start + rows, capacity or 0))
+            # a cache whose views were replaced (a crop of the last answer's rows, a repair) gets
+            # back the capacity it had reserved before: the next answer then fits without a
+            # second copy of every row
+            reserved = storage.capacity if storage is not None else 0
+            storage = self._allocate(cache, start, max(start + rows, capacity or 0, reserved))
             self._storage[cache] = storage
         return storage
 

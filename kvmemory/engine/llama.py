@@ -44,13 +44,17 @@ class QuantizedLlama:
     """A Llama-family decoder on GGUF blocks (see the module docstring). Build with
     :func:`kvmemory.engine.attach`, which verifies the blocks against the model's weights."""
 
-    kind = "q4_1"
-
-    def __init__(self, model, layers: list[_Layer], head: Q8Linear):
+    def __init__(self, model, layers: list[_Layer], head: Q8Linear, int8_activations: bool = False,
+                 bf16_prefill: bool = False):
         text = model.config.get_text_config()
         self.model = model
         self.layers = layers
         self.head = head
+        self.int8 = int8_activations  # the block path (decode, short appends, head) rounds activations to int8
+        self.kind = "q4_1" + ("_int8" if int8_activations else "") + ("_bf16" if bf16_prefill else "")
+        # the dense path (>= DENSE_FROM_ROWS rows) in bf16: oneDNN's bf16 GEMMs (AVX512-BF16 / AMX)
+        # on bf16 copies of the weights (fused like the blocks), fp32 in and out
+        self.bf16 = [_bf16_weights(l.module) for l in layers] if bf16_prefill else None
         self.heads = text.num_attention_heads
         self.kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.heads
@@ -72,13 +76,15 @@ class QuantizedLlama:
         return kernel().LlamaDecoder(
             triples("qkv"), triples("o"), triples("gate_up"), triples("down"), norms_in, norms_post,
             self.model.model.norm.weight.detach(), self.head.codes, self.head.scales,
-            self.heads, self.kv_heads, self.head_dim, float(eps), float(self.scale),
+            self.heads, self.kv_heads, self.head_dim, float(eps), float(self.scale), self.int8,
         )
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the blocks the engine holds besides the model (codes + fp32 scales)."""
-        return self.head.nbytes + sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes for l in self.layers)
+        """Bytes the engine holds besides the model: the blocks (codes + fp32 scales) and, with a
+        bf16 prefill, the bf16 weight copies."""
+        copies = sum(w.numel() * w.element_size() for d in self.bf16 or [] for w in d.values())
+        return copies + self.head.nbytes + sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes for l in self.layers)
 
     def stale_reason(self) -> str | None:
         """Why the blocks may no longer equal the model's weights (None: they do). Checked before
@@ -113,14 +119,17 @@ class QuantizedLlama:
         mask = _causal_mask(start, n)
         dense = n >= DENSE_FROM_ROWS
         for i, layer in enumerate(self.layers):
-            hidden = self._layer(layer, hidden, storage.keys[i], storage.values[i], start, cos, sin, mask, dense)
+            bf16 = self.bf16[i] if dense and self.bf16 else None
+            hidden = self._layer(layer, hidden, storage.keys[i], storage.values[i], start, cos, sin, mask, dense, bf16)
         self.buffers.publish(cache, storage, start + n)
         last = body.norm(hidden[-1:])
-        return self.head(last)[0]
+        return self.head(last, int8=self.int8)[0]
 
-    def _layer(self, layer: _Layer, hidden, keys, values, start, cos, sin, mask, dense):
+    def _layer(self, layer: _Layer, hidden, keys, values, start, cos, sin, mask, dense, bf16=None):
         n = hidden.shape[0]
         module = layer.module
+        if bf16 is not None:
+            return self._layer_bf16(layer, bf16, hidden, keys, values, start, cos, sin, mask)
         x = module.input_layernorm(hidden)
         q, k, v = self._qkv(layer, x, dense)
         q = q.view(n, self.heads, self.head_dim).transpose(0, 1)[None]
@@ -137,8 +146,28 @@ class QuantizedLlama:
         if dense:
             gate, up = F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)
         else:
-            gate, up = layer.gate_up(x).split(mlp.gate_proj.out_features, dim=-1)
+            gate, up = layer.gate_up(x, int8=self.int8).split(mlp.gate_proj.out_features, dim=-1)
         return hidden + self._linear(layer.down, mlp.down_proj, mlp.act_fn(gate) * up, dense)
+
+    def _layer_bf16(self, layer: _Layer, weights: dict, hidden, keys, values, start, cos, sin, mask):
+        """:meth:`_layer`'s dense path with the linears in bf16 (norms, RoPE, attention fp32)."""
+        n = hidden.shape[0]
+        module = layer.module
+        attn = module.self_attn
+        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        q, k, v = _bf16_linear(module.input_layernorm(hidden), weights["qkv"]).split(sizes, dim=-1)
+        q = q.view(n, self.heads, self.head_dim).transpose(0, 1)[None]
+        k = k.view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+        v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        end = start + n
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        out = self._attend(q, keys[0, :, :end], values[0, :, :end], mask)
+        hidden = hidden + _bf16_linear(out, weights["o"])
+        gate, up = _bf16_linear(module.post_attention_layernorm(hidden), weights["gate_up"]).split(
+            module.mlp.gate_proj.out_features, dim=-1)
+        return hidden + _bf16_linear(module.mlp.act_fn(gate) * up, weights["down"])
 
     def _attend(self, q, keys, values, mask):
         """Attention of the new rows' queries ``[1, heads, n, d]`` over ``keys`` / ``values``
@@ -158,11 +187,22 @@ class QuantizedLlama:
         if dense:
             return F.linear(x, attn.q_proj.weight), F.linear(x, attn.k_proj.weight), F.linear(x, attn.v_proj.weight)
         sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        return layer.qkv(x).split(sizes, dim=-1)
+        return layer.qkv(x, int8=self.int8).split(sizes, dim=-1)
 
-    @staticmethod
-    def _linear(blocks: Q4Linear, module, x, dense):
-        return F.linear(x, module.weight) if dense else blocks(x)
+    def _linear(self, blocks: Q4Linear, module, x, dense):
+        return F.linear(x, module.weight) if dense else blocks(x, int8=self.int8)
+
+
+def _bf16_weights(module) -> dict[str, torch.Tensor]:
+    """bf16 copies of a decoder layer's linear weights (q, k, v fused; gate, up fused)."""
+    attn, mlp = module.self_attn, module.mlp
+    fused = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
+             "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
+    return {name: torch.cat([m.weight.detach() for m in mods]).to(torch.bfloat16).contiguous() for name, mods in fused.items()}
+
+
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(torch.bfloat16), weight).float()
 
 
 def _watch(model) -> list:

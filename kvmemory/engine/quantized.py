@@ -4,11 +4,13 @@ The embedded SmolLM2's fp32 weights *are* the dequantized blocks of its packaged
 Q4_1, the tied embedding / head Q8_0). Keeping the blocks moves 1/5 of the bytes per decoded
 token at the same weights: ``x @ dequantize(blocks).T`` equals ``x @ W.T`` up to fp32 rounding.
 The kernel (``quantized_linear.cpp``) is compiled on first use with the machine's C++ compiler
-(torch.utils.cpp_extension, ~30-60 s once, cached under kvmemory's cache folder).
+(torch.utils.cpp_extension, ~30-60 s once, cached under kvmemory's cache folder in a folder
+named by a hash of the source and flags).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -61,10 +63,13 @@ def _build():
     from ..models import cache_root
 
     source = Path(__file__).with_name("quantized_linear.cpp")
-    folder = cache_root() / "kernels" / f"torch-{torch.__version__}"
-    folder.mkdir(parents=True, exist_ok=True)
     flags = ["-O3", "-march=native", "-ffast-math" if os.environ.get("KVMEMORY_FAST_MATH") else "-fno-fast-math"]
-    return load(name="kvmemory_quantized_linear", sources=[str(source)], extra_cflags=flags,
+    # one folder (and module name) per source text and flags: two checkouts of different versions
+    # on one machine never load each other's build
+    digest = hashlib.sha256(source.read_bytes() + "\0".join(flags).encode()).hexdigest()[:12]
+    folder = cache_root() / "kernels" / f"torch-{torch.__version__}-{digest}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return load(name=f"kvmemory_quantized_linear_{digest}", sources=[str(source)], extra_cflags=flags,
                 build_directory=str(folder), verbose=False)
 
 
@@ -85,8 +90,11 @@ class Q4Linear:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.mins))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]``."""
+    def __call__(self, x: torch.Tensor, int8: bool = False) -> torch.Tensor:
+        """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]``. ``int8``: quantize ``x`` to int8 per
+        32-value block first and multiply with VNNI integer dot products (lossy, see the kernel)."""
+        if int8:
+            return kernel().q4_1_linear_i8(x.contiguous(), self.codes, self.scales, self.mins)
         return kernel().q4_1_linear(x.contiguous(), self.codes, self.scales, self.mins)
 
     def dequantize(self) -> torch.Tensor:
@@ -129,7 +137,10 @@ class Q8Linear:
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel() * 4
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, int8: bool = False) -> torch.Tensor:
+        """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]`` (``int8`` as for :class:`Q4Linear`)."""
+        if int8:
+            return kernel().q8_0_linear_i8(x.contiguous(), self.codes, self.scales)
         return kernel().q8_0_linear(x.contiguous(), self.codes, self.scales)
 
     def dequantize(self) -> torch.Tensor:

@@ -1,4 +1,5 @@
-// Linears over GGUF Q4_1 / Q8_0 weight blocks, computed in fp32 (CPU).
+// Linears over GGUF Q4_1 / Q8_0 weight blocks, computed in fp32 (CPU), and the same with int8
+// activations (VNNI; below).
 //
 // A Q4_1 block holds 32 weights of one output row as w_j = d * q_j + m (q_j a 4-bit code; bytes
 // 0..15 hold codes 0..15 in their low nibbles and codes 16..31 in their high nibbles, as in GGUF).
@@ -13,6 +14,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -25,6 +27,9 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kMaxM = 8;  // activation rows handled together (one pass over the codes)
+// One-row (decode) kernels read each weight once per token from memory: they prefetch the rows
+// this many rows ahead of use (prefetches never fault, also past the end).
+constexpr int64_t kPrefetchRows = 16;
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, int64_t code_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
@@ -67,8 +72,13 @@ void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
       const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+      if ((b & 3) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+      }
       for (int r = 0; r < 4; ++r) {
         const int64_t row = o + r;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ((row + kPrefetchRows) * nb + b) * 16), _MM_HINT_T0);
         const __m512i bytes = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (row * nb + b) * 16)));
         __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4)), x0);
@@ -158,8 +168,10 @@ void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float*
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
       const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+      if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
       for (int r = 0; r < 4; ++r) {
         const int8_t* q = codes + (o + r) * K + b * kBlock;
+        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
         const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
         const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
         __m512 t = _mm512_mul_ps(a, x0);
@@ -220,7 +232,296 @@ void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const fl
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// int8 activations (opt-in, lossy like llama.cpp): each 32-value block of an activation row is
+// quantized once per linear input to signed bytes a_j with one fp32 scale e (x_j ~ e * a_j,
+// e = max|x| / 127, round to nearest), and the weights' codes are multiplied with it by VNNI
+// integer dot products (_mm512_dpbusd_epi32: 64 unsigned x signed byte products per instruction):
+//   Q4_1:  y = sum_blocks d * e * (q . a) + m * sum(x_block)     (the min term keeps exact fp32 sums)
+//   Q8_0:  y = sum_blocks d * e * (q . a)                          (q + 128 as unsigned bytes, the
+//                                                                   offset 128 * sum(a) subtracted)
+// The only error against the fp32 path is the rounding of x to 8 bits per block (|x - e a| <= e / 2).
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVMEMORY_VNNI 1
+#endif
+
+constexpr int64_t kGroup = 4;  // Q4_1 blocks per 512-bit step (64 code bytes = 128 weights)
+
+inline int64_t q4_groups(int64_t K) { return (K / kBlock + kGroup - 1) / kGroup; }
+
+// One activation row quantized for Q4_1 weights. Per group of 4 blocks: 64 bytes holding values
+// 0..15 of each block (they meet the low nibbles), then 64 bytes holding values 16..31 (the high
+// nibbles); `scales` repeats each block's e over its 4 dot-product lanes (16 floats per group);
+// `sums` holds each block's exact fp32 sum. Missing blocks of the last group are zero.
+struct Q4Activation {
+  std::vector<int8_t> codes;
+  std::vector<float> scales, sums;
+};
+
+// One activation row quantized for Q8_0 weights. Per pair of blocks: the 64 bytes in order;
+// `scales` repeats each block's e over its 8 lanes; `offsets` holds 128 * (sum of the 4 bytes of
+// each lane), what the unsigned form of the weights adds to each lane.
+struct Q8Activation {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;
+  std::vector<int32_t> offsets;
+};
+
+// Quantize one 32-value block: writes the bytes to `out` (in order) and returns its scale e;
+// `total` gets the block's fp32 sum.
+inline float quantize_block(const float* x, int8_t* out, float* total) {
+#if defined(__AVX512F__)
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const float e = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(e > 0.f ? 1.f / e : 0.f);
+  // cvtps rounds to nearest even (the default rounding mode), as std::nearbyint does
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+  *total = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+  return e;
+#else
+  float amax = 0.f, sum = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float e = amax / 127.f;
+  const float inv = e > 0.f ? 1.f / e : 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    out[j] = static_cast<int8_t>(std::nearbyint(x[j] * inv));
+    sum += x[j];
+  }
+  *total = sum;
+  return e;
+#endif
+}
+
+void quantize_for_q4(const float* x, int64_t K, Q4Activation& a) {
+  const int64_t nb = K / kBlock, groups = q4_groups(K);
+  a.codes.assign(groups * 128, 0);
+  a.scales.assign(groups * 16, 0.f);
+  a.sums.assign(nb, 0.f);
+  int8_t block[kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    const float e = quantize_block(x + b * kBlock, block, &a.sums[b]);
+    const int64_t g = b / kGroup, slot = b % kGroup;
+    std::copy(block, block + 16, a.codes.begin() + g * 128 + slot * 16);
+    std::copy(block + 16, block + 32, a.codes.begin() + g * 128 + 64 + slot * 16);
+    std::fill(a.scales.begin() + g * 16 + slot * 4, a.scales.begin() + g * 16 + slot * 4 + 4, e);
+  }
+}
+
+void quantize_for_q8(const float* x, int64_t K, Q8Activation& a) {
+  const int64_t nb = K / kBlock, pairs = (nb + 1) / 2;
+  a.codes.assign(pairs * 64, 0);
+  a.scales.assign(pairs * 16, 0.f);
+  a.offsets.assign(pairs * 16, 0);
+  for (int64_t b = 0; b < nb; ++b) {
+    float unused;
+    const float e = quantize_block(x + b * kBlock, a.codes.data() + b * kBlock, &unused);
+    std::fill(a.scales.begin() + b * 8, a.scales.begin() + b * 8 + 8, e);
+  }
+  for (int64_t lane = 0; lane < pairs * 16; ++lane) {
+    int32_t total = 0;
+    for (int j = 0; j < 4; ++j) total += a.codes[lane * 4 + j];
+    a.offsets[lane] = 128 * total;
+  }
+}
+
+#if defined(KVMEMORY_VNNI)
+// Rows [row_begin, row_end) of y = x . W^T for R activation rows (R <= kMaxM) quantized in `acts`.
+// Each 64-byte step of a weight row is unpacked once and multiplied with every activation row.
+template <int R>
+void q4_rows_i8(const Q4Activation* acts, int64_t K, const uint8_t* codes, const float* d, const float* m,
+                float* y, int64_t ldy, int64_t row_begin, int64_t row_end) {
+  const int64_t nb = K / kBlock, groups = q4_groups(K);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  for (int64_t o = row_begin; o < row_end; ++o) {
+    const uint8_t* q = codes + o * nb * 16;
+    const float* dr = d + o * nb;
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t blocks = std::min<int64_t>(kGroup, nb - g * kGroup);
+      const __mmask64 bytes_mask = blocks == kGroup ? ~__mmask64(0) : ((__mmask64(1) << (16 * blocks)) - 1);
+      const __m512i c = _mm512_maskz_loadu_epi8(bytes_mask, q + g * 64);
+      const __m512i lo = _mm512_and_si512(c, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+      const __m512 dw = _mm512_permutexvar_ps(
+          spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps(__mmask8((1 << blocks) - 1), dr + g * kGroup)));
+      for (int i = 0; i < R; ++i) {
+        const int8_t* ac = acts[i].codes.data() + g * 128;
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(ac));
+        t = _mm512_dpbusd_epi32(t, hi, _mm512_loadu_si512(ac + 64));
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(acts[i].scales.data() + g * 16));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), scale, acc[i]);
+      }
+    }
+    const float* mr = m + o * nb;
+    for (int i = 0; i < R; ++i) {
+      float mins = 0.f;
+      for (int64_t b = 0; b < nb; ++b) mins += mr[b] * acts[i].sums[b];
+      y[i * ldy + o] = _mm512_reduce_add_ps(acc[i]) + mins;
+    }
+  }
+}
+
+// One activation row, four weight rows per step (they share the activation loads).
+void q4_rows_i8_single(const Q4Activation& a, int64_t K, const uint8_t* codes, const float* d, const float* m,
+                       float* y, int64_t row_begin, int64_t row_end) {
+  const int64_t nb = K / kBlock, groups = q4_groups(K);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  int64_t o = row_begin;
+  for (; o + 4 <= row_end; o += 4) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t blocks = std::min<int64_t>(kGroup, nb - g * kGroup);
+      const __mmask64 bytes_mask = blocks == kGroup ? ~__mmask64(0) : ((__mmask64(1) << (16 * blocks)) - 1);
+      const __mmask8 scale_mask = __mmask8((1 << blocks) - 1);
+      const __m512i a_lo = _mm512_loadu_si512(a.codes.data() + g * 128);
+      const __m512i a_hi = _mm512_loadu_si512(a.codes.data() + g * 128 + 64);
+      const __m512 e = _mm512_loadu_ps(a.scales.data() + g * 16);
+      _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + g * 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + g * 16), _MM_HINT_T0);
+      for (int r = 0; r < 4; ++r) {
+        const int64_t row = o + r;
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (row + kPrefetchRows) * nb * 16 + g * 64), _MM_HINT_T0);
+        const __m512i c = _mm512_maskz_loadu_epi8(bytes_mask, codes + row * nb * 16 + g * 64);
+        __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(c, low4), a_lo);
+        t = _mm512_dpbusd_epi32(t, _mm512_and_si512(_mm512_srli_epi16(c, 4), low4), a_hi);
+        const __m512 dw = _mm512_permutexvar_ps(
+            spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps(scale_mask, d + row * nb + g * kGroup)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, e), acc[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      const float* mr = m + (o + r) * nb;
+      float mins = 0.f;
+      for (int64_t b = 0; b < nb; ++b) mins += mr[b] * a.sums[b];
+      y[o + r] = _mm512_reduce_add_ps(acc[r]) + mins;
+    }
+  }
+  if (o < row_end) q4_rows_i8<1>(&a, K, codes, d, m, y, 0, o, row_end);
+}
+
+// Rows [row_begin, row_end) of y = x . W^T for one activation row against Q8_0 codes.
+void q8_rows_i8_single(const Q8Activation& a, int64_t K, const int8_t* codes, const float* d, float* y,
+                       int64_t row_begin, int64_t row_end) {
+  const int64_t nb = K / kBlock, pairs = (nb + 1) / 2;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  int64_t o = row_begin;
+  auto step = [&](int64_t row, int64_t p, const __m512i& ac, const __m512i& off, const __m512& e, __m512& acc) {
+    const int64_t blocks = std::min<int64_t>(2, nb - p * 2);
+    const __mmask64 bytes_mask = blocks == 2 ? ~__mmask64(0) : ((__mmask64(1) << 32) - 1);
+    // q + 128 as an unsigned byte (a missing block's bytes are zero: the activation there is zero too)
+    const __m512i c = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes_mask, codes + row * K + p * 64), flip);
+    const __m512i t = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c, ac), off);
+    const __m512 dw = _mm512_permutexvar_ps(
+        spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps(__mmask8((1 << blocks) - 1), d + row * nb + p * 2)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, e), acc);
+  };
+  for (; o + 4 <= row_end; o += 4) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512i ac = _mm512_loadu_si512(a.codes.data() + p * 64);
+      const __m512i off = _mm512_loadu_si512(a.offsets.data() + p * 16);
+      const __m512 e = _mm512_loadu_ps(a.scales.data() + p * 16);
+      for (int r = 0; r < 4; ++r) {
+        // the head is read once per token from memory: ask for rows well ahead of use
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (o + r + kPrefetchRows) * K + p * 64), _MM_HINT_T0);
+        step(o + r, p, ac, off, e, acc[r]);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + p * 8), _MM_HINT_T0);
+    }
+    for (int r = 0; r < 4; ++r) y[o + r] = _mm512_reduce_add_ps(acc[r]);
+  }
+  for (; o < row_end; ++o) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      step(o, p, _mm512_loadu_si512(a.codes.data() + p * 64), _mm512_loadu_si512(a.offsets.data() + p * 16),
+           _mm512_loadu_ps(a.scales.data() + p * 16), acc);
+    }
+    y[o] = _mm512_reduce_add_ps(acc);
+  }
+}
+#endif
+
 }  // namespace
+
+bool has_vnni() {
+#if defined(KVMEMORY_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] fp32, codes uint8 [N, K/32*16], d / m fp32 [N, K/32] -> y [M, N] fp32, with x quantized
+// to int8 per 32-value block (see above). Rows of x are taken up to kMaxM at a time.
+torch::Tensor q4_1_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
+  check_inputs(x, codes, d, 16);
+  TORCH_CHECK(codes.scalar_type() == torch::kUInt8, "Q4_1 codes must be uint8");
+  TORCH_CHECK(m.sizes() == d.sizes() && m.is_contiguous() && m.scalar_type() == torch::kFloat32, "mins must match scales");
+#if defined(KVMEMORY_VNNI)
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  std::vector<Q4Activation> acts(M);
+  for (int64_t i = 0; i < M; ++i) quantize_for_q4(x.data_ptr<float>() + i * K, K, acts[i]);
+  const uint8_t* qp = codes.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = m.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    if (M == 1) {
+      q4_rows_i8_single(acts[0], K, qp, dp, mp, yp, begin, end);
+      return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+      const Q4Activation* a = acts.data() + m0;
+      float* ym = yp + m0 * N;
+      switch (std::min(kMaxM, M - m0)) {
+        case 1: q4_rows_i8<1>(a, K, qp, dp, mp, ym, N, begin, end); break;
+        case 2: q4_rows_i8<2>(a, K, qp, dp, mp, ym, N, begin, end); break;
+        case 3: q4_rows_i8<3>(a, K, qp, dp, mp, ym, N, begin, end); break;
+        case 4: q4_rows_i8<4>(a, K, qp, dp, mp, ym, N, begin, end); break;
+        case 5: q4_rows_i8<5>(a, K, qp, dp, mp, ym, N, begin, end); break;
+        case 6: q4_rows_i8<6>(a, K, qp, dp, mp, ym, N, begin, end); break;
+        case 7: q4_rows_i8<7>(a, K, qp, dp, mp, ym, N, begin, end); break;
+        default: q4_rows_i8<8>(a, K, qp, dp, mp, ym, N, begin, end); break;
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "int8 activations need AVX-512 VNNI (this build has none)");
+#endif
+}
+
+// x [M, K] fp32, codes int8 [N, K], d fp32 [N, K/32] -> y [M, N] fp32 with x quantized to int8.
+// Rows of x are taken one at a time (one pass over the codes each): the engine calls it for the
+// last row only (the head).
+torch::Tensor q8_0_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor d) {
+  check_inputs(x, codes, d, kBlock);
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8, "Q8_0 codes must be int8");
+#if defined(KVMEMORY_VNNI)
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* qp = codes.data_ptr<int8_t>();
+  const float* dp = d.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i) {
+    Q8Activation a;
+    quantize_for_q8(x.data_ptr<float>() + i * K, K, a);
+    float* yp = y.data_ptr<float>() + i * N;
+    at::parallel_for(0, N, kRowsPerTask * 4, [&](int64_t begin, int64_t end) {
+      q8_rows_i8_single(a, K, qp, dp, yp, begin, end);
+    });
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "int8 activations need AVX-512 VNNI (this build has none)");
+#endif
+}
 
 // x [M, K] fp32, codes uint8 [N, K/32*16], d / m fp32 [N, K/32] -> y [M, N] fp32
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
@@ -273,9 +574,19 @@ namespace {
 struct Q4Weight {
   torch::Tensor codes, scales, mins;
   int64_t out() const { return codes.size(0); }
-  void apply(const float* x, int64_t K, float* y, const float* xs) const {
+  // int8: x is quantized (see q4_1_linear_i8) into `scratch` first; xs is then unused
+  void apply(const float* x, int64_t K, float* y, const float* xs, bool int8, Q4Activation& scratch) const {
     const uint8_t* qp = codes.data_ptr<uint8_t>();
     const float *dp = scales.data_ptr<float>(), *mp = mins.data_ptr<float>();
+#if defined(KVMEMORY_VNNI)
+    if (int8) {
+      quantize_for_q4(x, K, scratch);
+      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t begin, int64_t end) {
+        q4_rows_i8_single(scratch, K, qp, dp, mp, y, begin, end);
+      });
+      return;
+    }
+#endif
     at::parallel_for(0, out(), kRowsPerTask, [&](int64_t begin, int64_t end) {
       q4_rows_single(x, K, qp, dp, mp, xs, y, begin, end);
     });
@@ -310,6 +621,99 @@ float dot(const float* a, const float* b, int64_t n) {
   return total;
 }
 
+#if defined(__AVX512F__)
+// exp of 16 floats (Cephes' expf polynomial, range-reduced by ln 2 and scaled by 2^n: within 2 ulp
+// of std::exp over the range softmax and SiLU use)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.9f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+float max_of(const float* x, int64_t n) {
+  float top = -INFINITY;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_set1_ps(-INFINITY);
+  for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + i));
+  top = _mm512_reduce_max_ps(acc);
+#endif
+  for (; i < n; ++i) top = std::max(top, x[i]);
+  return top;
+}
+
+// x[i] = exp(x[i] - top) for i < n; returns their sum
+float exp_shifted_sum(float* x, int64_t n, float top) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), shift));
+    _mm512_mask_storeu_ps(x + i, mask, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - top);
+    total += x[i];
+  }
+  return total;
+}
+
+// out[D] = sum_r p[r] * v[r * D : (r + 1) * D]
+void weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* out) {
+#if defined(__AVX512F__)
+  if (D == 64) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t r = 0; r < n; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r]);
+      const float* vr = v + r * 64;
+      a0 = _mm512_fmadd_ps(pr, _mm512_loadu_ps(vr), a0);
+      a1 = _mm512_fmadd_ps(pr, _mm512_loadu_ps(vr + 16), a1);
+      a2 = _mm512_fmadd_ps(pr, _mm512_loadu_ps(vr + 32), a2);
+      a3 = _mm512_fmadd_ps(pr, _mm512_loadu_ps(vr + 48), a3);
+    }
+    _mm512_storeu_ps(out, a0);
+    _mm512_storeu_ps(out + 16, a1);
+    _mm512_storeu_ps(out + 32, a2);
+    _mm512_storeu_ps(out + 48, a3);
+    return;
+  }
+#endif
+  std::fill(out, out + D, 0.f);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < D; ++j) out[j] += p[r] * v[r * D + j];
+  }
+}
+
+// SiLU(gate) * up for n values
+void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
 // rotary embedding of one head (rotate_half convention): cos / sin hold head_dim values
 void rotate(float* v, const float* cos, const float* sin, int64_t dim) {
   const int64_t half = dim / 2;
@@ -327,9 +731,12 @@ class LlamaDecoder {
   LlamaDecoder(std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
                std::vector<torch::Tensor> down, std::vector<torch::Tensor> input_norms,
                std::vector<torch::Tensor> post_norms, torch::Tensor final_norm, torch::Tensor head_codes,
-               torch::Tensor head_scales, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+               torch::Tensor head_scales, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+               bool int8_activations)
       : input_norms_(input_norms), post_norms_(post_norms), final_norm_(final_norm), head_codes_(head_codes),
-        head_scales_(head_scales), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
+        head_scales_(head_scales), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        int8_(int8_activations) {
+    TORCH_CHECK(!int8_ || has_vnni(), "int8 activations need AVX-512 VNNI (this build has none)");
     TORCH_CHECK(qkv.size() % 3 == 0 && o.size() == qkv.size() && gate_up.size() == qkv.size() && down.size() == qkv.size(), "weights come as (codes, scales, mins) triples");
     for (size_t i = 0; i < qkv.size(); i += 3) {
       qkv_.push_back({qkv[i], qkv[i + 1], qkv[i + 2]});
@@ -353,11 +760,12 @@ class LlamaDecoder {
     float* hp = h.data_ptr<float>();
     std::vector<float> x(std::max(H, inter)), qkv(q_width + 2 * kv_width), attn(q_width), out(std::max(H, 2 * inter)),
         sums(std::max(H, inter) / kBlock + 1), act(inter);
+    Q4Activation scratch;
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     for (int64_t l = 0; l < layers; ++l) {
       rms_norm(hp, input_norms_[l].data_ptr<float>(), H, eps_, x.data());
       sums_of_blocks(x.data(), H, sums.data());
-      qkv_[l].apply(x.data(), H, qkv.data(), sums.data());
+      qkv_[l].apply(x.data(), H, qkv.data(), sums.data(), int8_, scratch);
       float* q = qkv.data();
       float* k = q + q_width;
       float* v = k + kv_width;
@@ -371,17 +779,14 @@ class LlamaDecoder {
       }
       attend(q, kl, vl, capacity, pos + 1, attn.data());
       sums_of_blocks(attn.data(), q_width, sums.data());
-      o_[l].apply(attn.data(), q_width, out.data(), sums.data());
+      o_[l].apply(attn.data(), q_width, out.data(), sums.data(), int8_, scratch);
       for (int64_t i = 0; i < H; ++i) hp[i] += out[i];
       rms_norm(hp, post_norms_[l].data_ptr<float>(), H, eps_, x.data());
       sums_of_blocks(x.data(), H, sums.data());
-      gate_up_[l].apply(x.data(), H, out.data(), sums.data());
-      for (int64_t i = 0; i < inter; ++i) {
-        const float g = out[i];
-        act[i] = g / (1.0f + std::exp(-g)) * out[inter + i];
-      }
+      gate_up_[l].apply(x.data(), H, out.data(), sums.data(), int8_, scratch);
+      silu_mul(out.data(), out.data() + inter, inter, act.data());
       sums_of_blocks(act.data(), inter, sums.data());
-      down_[l].apply(act.data(), inter, out.data(), sums.data());
+      down_[l].apply(act.data(), inter, out.data(), sums.data(), int8_, scratch);
       for (int64_t i = 0; i < H; ++i) hp[i] += out[i];
     }
     rms_norm(hp, final_norm_.data_ptr<float>(), H, eps_, x.data());
@@ -390,6 +795,16 @@ class LlamaDecoder {
     const float* hs = head_scales_.data_ptr<float>();
     float* lp = logits.data_ptr<float>();
     const float* xp = x.data();
+#if defined(KVMEMORY_VNNI)
+    if (int8_) {
+      Q8Activation a;
+      quantize_for_q8(xp, H, a);
+      at::parallel_for(0, head_codes_.size(0), kRowsPerTask * 4, [&](int64_t begin, int64_t end) {
+        q8_rows_i8_single(a, H, hq, hs, lp, begin, end);
+      });
+      return logits;
+    }
+#endif
     at::parallel_for(0, head_codes_.size(0), kRowsPerTask * 4, [&](int64_t begin, int64_t end) {
       q8_rows_single(xp, H, hq, hs, lp, begin, end);
     });
@@ -398,43 +813,49 @@ class LlamaDecoder {
 
  private:
   // softmax(q k^T * scale) v for every query head over rows [0, rows) of its key/value group.
-  // The query heads of one group are handled together so that each cached row is read once.
+  // The rows are split into chunks, one per thread (each reads its rows once, for every head):
+  // each chunk keeps its own maximum score, sum of exponentials and unnormalized output per
+  // head, and the chunks are combined exactly as in a single softmax (rescaled by exp(max_c - max)).
   void attend(const float* q, const float* keys, const float* values, int64_t capacity, int64_t rows, float* out) {
-    const int64_t D = head_dim_, group = heads_ / kv_heads_;
-    at::parallel_for(0, kv_heads_, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(group * rows), tops(group), totals(group);
-      for (int64_t g = begin; g < end; ++g) {
-        const float* kg = keys + g * capacity * D;
-        const float* vg = values + g * capacity * D;
-        const float* qg = q + g * group * D;
-        std::fill(tops.begin(), tops.end(), -INFINITY);
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t h = 0; h < group; ++h) {
-            const float score = dot(qg + h * D, kg + r * D, D) * float(scale_);
-            scores[h * rows + r] = score;
-            tops[h] = std::max(tops[h], score);
+    const int64_t D = head_dim_, group = heads_ / kv_heads_, H = heads_;
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 256));
+    std::vector<float> part_out(chunks * H * D), part_top(chunks * H), part_total(chunks * H);
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t r0 = rows * c / chunks, n = rows * (c + 1) / chunks - r0;
+        scores.resize(H * n);
+        for (int64_t g = 0; g < kv_heads_; ++g) {
+          const float* kg = keys + (g * capacity + r0) * D;
+          for (int64_t r = 0; r < n; ++r) {
+            for (int64_t h = 0; h < group; ++h) {
+              scores[(g * group + h) * n + r] = dot(q + (g * group + h) * D, kg + r * D, D) * float(scale_);
+            }
           }
         }
-        for (int64_t h = 0; h < group; ++h) {
-          float total = 0.f;
-          float* sh = scores.data() + h * rows;
-          for (int64_t r = 0; r < rows; ++r) {
-            sh[r] = std::exp(sh[r] - tops[h]);
-            total += sh[r];
-          }
-          totals[h] = total;
-          std::fill(out + (g * group + h) * D, out + (g * group + h + 1) * D, 0.f);
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* vr = vg + r * D;
-          for (int64_t h = 0; h < group; ++h) {
-            const float p = scores[h * rows + r] / totals[h];
-            float* oh = out + (g * group + h) * D;
-            for (int64_t j = 0; j < D; ++j) oh[j] += p * vr[j];
-          }
+        for (int64_t hh = 0; hh < H; ++hh) {
+          float* sh = scores.data() + hh * n;
+          const float top = max_of(sh, n);
+          part_top[c * H + hh] = top;
+          part_total[c * H + hh] = exp_shifted_sum(sh, n, top);
+          weighted_rows(sh, values + ((hh / group) * capacity + r0) * D, n, D, part_out.data() + (c * H + hh) * D);
         }
       }
     });
+    for (int64_t hh = 0; hh < H; ++hh) {
+      float top = -INFINITY, total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_top[c * H + hh]);
+      float* oh = out + hh * D;
+      std::fill(oh, oh + D, 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float w = chunks == 1 ? 1.f : std::exp(part_top[c * H + hh] - top);
+        total += w * part_total[c * H + hh];
+        const float* po = part_out.data() + (c * H + hh) * D;
+        for (int64_t j = 0; j < D; ++j) oh[j] += w * po[j];
+      }
+      const float inv = 1.f / total;
+      for (int64_t j = 0; j < D; ++j) oh[j] *= inv;
+    }
   }
 
   std::vector<Q4Weight> qkv_, o_, gate_up_, down_;
@@ -442,6 +863,7 @@ class LlamaDecoder {
   torch::Tensor final_norm_, head_codes_, head_scales_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
+  bool int8_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -450,10 +872,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0 blocks).T in fp32",
              pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("q4_1_linear_i8", &q4_1_linear_i8, "x @ dequant(Q4_1 blocks).T with x quantized to int8 blocks (VNNI)",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("q8_0_linear_i8", &q8_0_linear_i8, "x @ dequant(Q8_0 blocks).T with x quantized to int8 blocks (VNNI)",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("has_vnni", &has_vnni, "whether this build has the int8-activation (VNNI) kernels");
   pybind11::class_<LlamaDecoder>(module, "LlamaDecoder")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+                          torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, bool>())
       .def("step", &LlamaDecoder::step, "one decoded token through every layer; returns logits",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Column, Table
 
+from kvmemory.engine import ENGINES
 from kvmemory.policy import RepairPolicy
 
 console = Console(width=120)  # wide enough for the tables when piped
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "'none' for none)")
     demo.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
     demo.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
-    demo.add_argument("--engine", default="auto", choices=["auto", "q4_1", "transformers"],
+    demo.add_argument("--engine", default="auto", choices=list(ENGINES),
                       help="what computes cache rows (default auto: the embedded model on its GGUF blocks)")
     demo.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
     demo.add_argument("--passages", type=int, default=6, help="tool-result passages per case (default 6)")

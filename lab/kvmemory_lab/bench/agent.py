@@ -64,7 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="sur@5", help="kvmemory repair policies, comma list (default sur@5)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="kvmemory's model dtype (default fp32)")
     parser.add_argument("--engines", default="auto",
-                        help="kvmemory row engines, comma list of auto, q4_1, transformers (default auto)")
+                        help=f"kvmemory row engines, comma list of {', '.join(ENGINES)} (default auto)")
+    parser.add_argument("--reprefill", default="fp32,bf16",
+                        help="dtypes of the transformers Re-prefill peer, comma list of fp32, bf16 (default both; "
+                             "bf16 is the reference of the time ratios)")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp CPU threads (default 2)")
     parser.add_argument("--quick", action="store_true", help="context 768, 1 trial, 4-token answers, 8-token decode (a fast check)")
     parser.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
@@ -81,6 +84,7 @@ def _settings(args) -> dict:
     out = {k: getattr(args, k) if getattr(args, k) is not None else default for k, default in base.items()}
     out["policies"] = [p.strip() for p in args.policies.split(",") if p.strip()]
     out["engines"] = [e.strip() for e in args.engines.split(",") if e.strip()]
+    out["reprefill"] = [d.strip() for d in args.reprefill.split(",") if d.strip()]
     return out
 
 
@@ -92,6 +96,8 @@ def _check(settings: dict, data_dir, threads: int) -> str | None:
         return "--policies needs at least one kvmemory policy label, e.g. sur@5,replay"
     if not settings["engines"] or set(settings["engines"]) - set(ENGINES):
         return f"--engines takes a comma list of {', '.join(ENGINES)} (got {','.join(settings['engines']) or 'nothing'})"
+    if set(settings["reprefill"]) - {"fp32", "bf16"}:
+        return f"--reprefill takes a comma list of fp32, bf16 (got {','.join(settings['reprefill'])})"
     for label in settings["policies"]:
         try:
             RepairPolicy.coerce(label)
@@ -249,7 +255,7 @@ def _systems(args, settings: dict, pool: ModelPool, chats: list[AgentChat]) -> t
         lm = pool.get(args.dtype, engine)
         systems += [KVMemorySystem({"engine": "kvmemory", "policy": p, "dtype": args.dtype, "rows": lm.engine.name}, lm, tools)
                     for p in settings["policies"]]
-    systems += [ReprefillSystem({"engine": "transformers", "dtype": d}, pool.get(d), tools) for d in ("fp32", "bf16")]
+    systems += [ReprefillSystem({"engine": "transformers", "dtype": d}, pool.get(d), tools) for d in settings["reprefill"]]
     skip = llama_cpp_missing()
     if skip is None and args.gguf is None and args.model is not None:
         skip = "llama.cpp skipped: --model is not the embedded model; pass --gguf with the same model as GGUF"
