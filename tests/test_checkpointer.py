@@ -264,8 +264,7 @@ def test_copied_thread_resumes_from_the_shared_blob(tmp_path, tokenizer, llama):
 
 def test_blob_dir_is_required_where_it_cannot_be_derived(tokenizer, llama):
     with pytest.raises(ValueError, match="blob_dir"):
-        with KVCheckpointSaver.from_sqlite(":memory:"):
-            pass
+        KVCheckpointSaver.from_sqlite(":memory:").__enter__()
     with pytest.raises(TypeError, match="thread registry"):
         KVCheckpointSaver(_sync_saver(), caches=object(), blob_dir="x")
 

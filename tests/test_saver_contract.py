@@ -91,8 +91,7 @@ def test_from_sqlite_in_memory_uses_the_given_blob_dir(tmp_path, real):
         assert stored["sha256"] in stored_states(saver) and any((tmp_path / "blobs").rglob("*"))
     assert cache_read(out["messages"][-1]) > 0
     with pytest.raises(ValueError, match="blob_dir="):
-        with KVCheckpointSaver.from_sqlite(":memory:", chat):
-            pass
+        KVCheckpointSaver.from_sqlite(":memory:", chat).__enter__()
 
 
 # ------------------------------------------------------- newest-checkpoint-only savers

@@ -31,11 +31,12 @@ def load_average() -> list[float]:
 def machine_name() -> str:
     """The CPU model (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux
+        lines = []
+    for line in lines:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
