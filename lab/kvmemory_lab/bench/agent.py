@@ -366,8 +366,10 @@ def markdown(meta: dict, rows: list[Row]) -> str:
 
 
 def _env_prefix(meta: dict) -> str:
-    """``OMP_NUM_THREADS=1 `` when the run had it set (it decides OpenMP spin-waiting on a shared CPU)."""
-    return f"OMP_NUM_THREADS={meta['omp_num_threads']} " if meta.get("omp_num_threads") else ""
+    """The OpenMP settings the run had (``OMP_WAIT_POLICY=PASSIVE`` makes OpenMP threads sleep
+    between operations: it halves llama.cpp's decode speed here, so a comparison must name it)."""
+    names = (("OMP_NUM_THREADS", "omp_num_threads"), ("OMP_WAIT_POLICY", "omp_wait_policy"))
+    return "".join(f"{env}={meta[key]} " for env, key in names if meta.get(key))
 
 
 def _context_tables(meta: dict, rows: list[Row], context: int) -> list[str]:
