@@ -322,7 +322,7 @@ def test_real_model_workers_retention_and_a_damaged_block(tmp_path, real):
     """The embedded model: two workers (own chat models) over one SQLite file and a shared block
     store with retention 1; a damaged block of the newest state; answers as one worker's."""
     from langchain_kvmemory.chat_model import ChatKVMemory
-    from langchain_kvmemory.workers import build_graph
+    from kvmemory_lab.harness.workers import build_graph
 
     turns = [[SystemMessage("You are brief.", id="sys"), HumanMessage("Name a colour of the sky.", id="u1")],
              [HumanMessage("Name a fruit.", id="u2")], [HumanMessage("Name an animal.", id="u3")],

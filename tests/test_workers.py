@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from langchain_kvmemory.workers import QUESTIONS, Cluster, WorkerOptions, thread_messages
+from kvmemory_lab.harness.workers import QUESTIONS, Cluster, WorkerOptions, thread_messages
 from servers import postgres_url, redis_url  # noqa: F401  (fixtures)
 
 

@@ -125,7 +125,7 @@ def storage_run(args, console) -> dict:
     from langchain_kvmemory.blockstore import RedisBlockStore
     from langchain_kvmemory.chat_model import ChatKVMemory
     from langchain_kvmemory.checkpointer import KVCheckpointSaver
-    from langchain_kvmemory.workers import build_graph
+    from kvmemory_lab.harness.workers import build_graph
 
     llm = ChatKVMemory(max_tokens=8, repair_policy="sur@5")
     store = RedisBlockStore(args.redis, namespace=f"kvmbench-{uuid.uuid4().hex[:6]}")
@@ -219,7 +219,7 @@ def _time_reprefill(llm, token_ids) -> float:
 
 # ------------------------------------------------------------------ workers
 def workers_run(args, console) -> dict:
-    from langchain_kvmemory.workers import QUESTIONS, Cluster, WorkerOptions, thread_messages
+    from kvmemory_lab.harness.workers import QUESTIONS, Cluster, WorkerOptions, thread_messages
 
     texts = (QUESTIONS * 2)[: args.worker_turns]
     options = WorkerOptions(postgres_url=args.postgres, redis_url=args.redis, block_tokens=args.block_tokens,

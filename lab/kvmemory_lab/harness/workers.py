@@ -15,7 +15,7 @@ before the model node ran, the lease expires after its ttl, and the coordinator 
 another worker; the user message carries a fixed id, so running the turn again replaces it in the
 graph state instead of adding it twice.
 
-Run ``python -m langchain_kvmemory.workers --help`` (the demo: N workers, random routing).
+Run ``python -m kvmemory_lab.harness.workers --help`` (the demo: N workers, random routing).
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ QUESTIONS = ["What colour is the sky on a clear day?", "Name a fruit that is yel
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m langchain_kvmemory.workers", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvmemory_lab.harness.workers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
