@@ -88,9 +88,9 @@ def worker_main(name: str, options: WorkerOptions) -> None:
     import torch
     from langgraph.checkpoint.postgres import PostgresSaver
 
-    from .blockstore import RedisBlockStore
-    from .chat_model import ChatKVMemory
-    from .checkpointer import KVCheckpointSaver
+    from langchain_kvmemory.blockstore import RedisBlockStore
+    from langchain_kvmemory.chat_model import ChatKVMemory
+    from langchain_kvmemory.checkpointer import KVCheckpointSaver
 
     torch.set_num_threads(options.torch_threads)
     queue = redis.Redis.from_url(options.redis_url)
