@@ -126,20 +126,12 @@ class QuantizedLlama:
         return self.head(last, int8=self.int8)[0]
 
     def _layer(self, layer: _Layer, hidden, keys, values, start, cos, sin, mask, dense, bf16=None):
-        n = hidden.shape[0]
         module = layer.module
         if bf16 is not None:
             return self._layer_bf16(layer, bf16, hidden, keys, values, start, cos, sin, mask)
         x = module.input_layernorm(hidden)
         q, k, v = self._qkv(layer, x, dense)
-        q = q.view(n, self.heads, self.head_dim).transpose(0, 1)[None]
-        k = k.view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
-        v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        end = start + n
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        attn = self._attend(q, keys[0, :, :end], values[0, :, :end], mask)
+        attn = self._self_attention(q, k, v, keys, values, start, cos, sin, mask)
         hidden = hidden + self._linear(layer.o, module.self_attn.o_proj, attn, dense)
         x = module.post_attention_layernorm(hidden)
         mlp = module.mlp
@@ -149,13 +141,10 @@ class QuantizedLlama:
             gate, up = layer.gate_up(x, int8=self.int8).split(mlp.gate_proj.out_features, dim=-1)
         return hidden + self._linear(layer.down, mlp.down_proj, mlp.act_fn(gate) * up, dense)
 
-    def _layer_bf16(self, layer: _Layer, weights: dict, hidden, keys, values, start, cos, sin, mask):
-        """:meth:`_layer`'s dense path with the linears in bf16 (norms, RoPE, attention fp32)."""
-        n = hidden.shape[0]
-        module = layer.module
-        attn = module.self_attn
-        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        q, k, v = _bf16_linear(module.input_layernorm(hidden), weights["qkv"]).split(sizes, dim=-1)
+    def _self_attention(self, q, k, v, keys, values, start, cos, sin, mask):
+        """Rotate ``q``/``k`` (rows ``[n, heads * head_dim]``) to their positions, write ``k``/``v``
+        into the layer's buffers at ``start`` and attend over rows ``[0, start + n)``."""
+        n = q.shape[0]
         q = q.view(n, self.heads, self.head_dim).transpose(0, 1)[None]
         k = k.view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
         v = v.view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
@@ -163,7 +152,15 @@ class QuantizedLlama:
         end = start + n
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
-        out = self._attend(q, keys[0, :, :end], values[0, :, :end], mask)
+        return self._attend(q, keys[0, :, :end], values[0, :, :end], mask)
+
+    def _layer_bf16(self, layer: _Layer, weights: dict, hidden, keys, values, start, cos, sin, mask):
+        """:meth:`_layer`'s dense path with the linears in bf16 (norms, RoPE, attention fp32)."""
+        module = layer.module
+        attn = module.self_attn
+        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        q, k, v = _bf16_linear(module.input_layernorm(hidden), weights["qkv"]).split(sizes, dim=-1)
+        out = self._self_attention(q, k, v, keys, values, start, cos, sin, mask)
         hidden = hidden + _bf16_linear(out, weights["o"])
         gate, up = _bf16_linear(module.post_attention_layernorm(hidden), weights["gate_up"]).split(
             module.mlp.gate_proj.out_features, dim=-1)
