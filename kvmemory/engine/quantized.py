@@ -63,14 +63,17 @@ def _build():
     from ..models import cache_root
 
     source = Path(__file__).with_name("quantized_linear.cpp")
-    flags = ["-O3", "-march=native", "-ffast-math" if os.environ.get("KVMEMORY_FAST_MATH") else "-fno-fast-math"]
+    # -fopenmp: at::parallel_for splits work over torch's threads only in an OpenMP build (without
+    # it the pragma is ignored and every kernel runs on one thread)
+    flags = ["-O3", "-march=native", "-fopenmp",
+             "-ffast-math" if os.environ.get("KVMEMORY_FAST_MATH") else "-fno-fast-math"]
     # one folder (and module name) per source text and flags: two checkouts of different versions
     # on one machine never load each other's build
     digest = hashlib.sha256(source.read_bytes() + "\0".join(flags).encode()).hexdigest()[:12]
     folder = cache_root() / "kernels" / f"torch-{torch.__version__}-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     return load(name=f"kvmemory_quantized_linear_{digest}", sources=[str(source)], extra_cflags=flags,
-                build_directory=str(folder), verbose=False)
+                extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
 
 
 @dataclass
