@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from . import kvcache
+from . import engine, kvcache
 from .capabilities import Capabilities, cache_unsupported_reason
 from .edits import EditPlan
 from .errors import InputError
@@ -226,7 +226,7 @@ def _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report) -
     t1 = time.perf_counter()
     # packed and direct write rows in place: give them all N rows at once (placeholders included)
     rows = plan.source_rows(ids.shape[0] if choice.name != "sequential" else None)
-    shifted = kvcache.gather_rows(cache, rows)
+    shifted = engine.gather_rows(ctx.model, cache, rows)
     report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
     report.shift_ms = _ms(t1)
 
@@ -255,7 +255,7 @@ def _adaptive_refresh(ctx, cache, cached_ids, ids, new, plan, policy, report) ->
 
     t1 = time.perf_counter()
     rows = plan.source_rows(ids.shape[0])
-    shifted = kvcache.gather_rows(cache, rows)
+    shifted = engine.gather_rows(ctx.model, cache, rows)
     report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
     report.shift_ms = _ms(t1)
     S = plan.stale_tokens
@@ -300,7 +300,7 @@ def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
 
     def shift_cache() -> DynamicCache:
         rows = plan.source_rows()
-        shifted = kvcache.gather_rows(cache, rows)
+        shifted = engine.gather_rows(ctx.model, cache, rows)
         _rotate_moved_keys(ctx.shifter, shifted, rows)
         return shifted
 

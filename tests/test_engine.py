@@ -119,7 +119,8 @@ def test_a_replaced_layer_gets_a_fresh_buffer():
     storage = buffers.reserve(cache, 3, 1)
     buffers.publish(cache, storage, 4)
     kept = cache.layers[0].keys
-    cache.crop(-2)  # someone else replaces the published view
+    layer = cache.layers[0]
+    layer.keys, layer.values = layer.keys[:, :, :2].clone(), layer.values[:, :, :2].clone()  # another writer
     again = buffers.reserve(cache, 2, 1)
     assert again.all_keys.data_ptr() != storage.all_keys.data_ptr()
     again.all_keys[0, :, :, 2] = 7.0
@@ -128,16 +129,21 @@ def test_a_replaced_layer_gets_a_fresh_buffer():
         buffers.reserve(cache, 5, 1)
 
 
-def test_a_cropped_cache_gets_its_reserved_capacity_back():
-    """After a crop (the last answer's rows dropped) the fresh buffer keeps the capacity reserved
-    before, so the next answer of the same length needs no second copy of every row."""
+def test_a_cropped_cache_keeps_its_buffer_and_loses_the_cropped_rows():
+    """A crop of the published views (the last answer's rows dropped before the next turn) is
+    taken back in place: no copy of the kept rows, the cropped rows zeroed, the capacity kept."""
     buffers = CacheBuffers(kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
     cache = kvcache.from_tensors([(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))])
     storage = buffers.reserve(cache, 3, 1, capacity=12)
+    storage.all_keys[0, :, :, 3:9] = 5.0
     buffers.publish(cache, storage, 9)
     cache.crop(-4)
     again = buffers.reserve(cache, 5, 1)
-    assert again.capacity == 12 and again.all_keys.data_ptr() != storage.all_keys.data_ptr()
+    assert again is storage and again.capacity == 12
+    assert (again.all_keys[0, :, :, :3] == 1.0).all() and (again.all_keys[0, :, :, 3:5] == 5.0).all()
+    assert (again.all_keys[0, :, :, 5:] == 0).all() and (again.all_values[0, :, :, 5:] == 0).all()
+    buffers.publish(cache, again, 6)
+    assert cache.get_seq_length() == 6 and cache.layers[0].keys.data_ptr() == storage.all_keys.data_ptr()
 
 
 def test_modified_weights_and_adapters_fall_back_to_transformers():
@@ -340,3 +346,47 @@ def test_bf16_prefill_engine_replays_like_its_own_reprefill(real):
         assert (reference - exact).abs().max() > 1e-2  # it did run in bf16
     finally:
         engine.attach(real.model, embedded_gguf_path(), "q4_1")
+
+
+def test_an_appended_turn_reserves_the_last_answer_room():
+    """An appended turn (no capacity given) grows the buffer by the answer room the caller reserved
+    for the last answer, so the answer that follows fits without a second copy of every row."""
+    buffers = CacheBuffers(kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    cache = kvcache.from_tensors([(torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4))])
+    storage = buffers.reserve(cache, 3, 1, capacity=3 + 6)  # an answer of up to 6 rows
+    for length in range(4, 6):
+        buffers.publish(cache, storage, length)
+        storage = buffers.reserve(cache, length, 1, capacity=9)
+    buffers.publish(cache, storage, 6)
+    turn = buffers.reserve(cache, 6, 5)  # an appended turn of 5 rows
+    assert turn is not storage and turn.capacity == 6 + 5 + 6
+    buffers.publish(cache, turn, 11)
+    assert buffers.reserve(cache, 11, 1, capacity=11 + 6) is turn
+
+
+def test_gathered_rows_land_in_an_engine_buffer_with_the_same_rows(real):
+    """A repair's Shift gathers the kept rows into the engine's storage (runs of rows copied as
+    slices, placeholders zero): the same rows as kvcache's gather, and the answer after the
+    repair appends into that storage without another copy."""
+    session = KVSession(real.model, real.tokenizer)
+    session.prepare(history())
+    session.generate(4)
+    n = len(session.token_ids)
+    rows = torch.cat([torch.arange(0, 10), torch.full((3,), -1), torch.arange(20, n)])
+    expected = kvcache.gather_rows(session.cache, rows)
+    gathered = engine.gather_rows(real.model, session.cache, rows)
+    for (k, v), (k2, v2) in zip(kvcache.layer_tensors(expected), kvcache.layer_tensors(gathered)):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    storage = engine.engine_for(real.model, gathered).buffers.reserve(gathered, rows.shape[0], 1)
+    assert kvcache.layer_tensors(gathered)[0][0].data_ptr() == storage.all_keys.data_ptr()
+
+
+def test_a_deletion_repair_hands_its_rows_to_the_next_answer_without_a_copy(real):
+    session = KVSession(real.model, real.tokenizer, policy="sur@5")
+    session.prepare(history() + [QUERY])
+    session.generate(8)
+    session.prepare(without(history() + [QUERY], "t1"))
+    repaired = kvcache.layer_tensors(session.cache)[0][0].data_ptr()
+    session.generate(3)
+    assert kvcache.layer_tensors(session.cache)[0][0].data_ptr() == repaired
+    session.check_invariants()

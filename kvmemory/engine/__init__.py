@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kvcache
 from .buffers import plain_layers
 from ..errors import EngineUnsupportedError, InputError
 from .llama import QuantizedLlama, _Layer
@@ -106,6 +107,17 @@ def engine_for(model, cache) -> QuantizedLlama | None:
     if engine is None or not plain_layers(cache) or unusable_reason(engine):
         return None
     return engine
+
+
+def gather_rows(model, cache, rows: torch.Tensor):
+    """:func:`kvmemory.kvcache.gather_rows` (a new cache whose row j copies ``cache``'s row
+    ``rows[j]``, LongTensor ``[n]``, -1 = zero placeholder), written into the attached engine's
+    capacity-backed storage when the engine computes ``model``'s rows: the answer after a repair
+    then appends without copying every row again. Same rows either way."""
+    engine = engine_for(model, cache)
+    if engine is None:
+        return kvcache.gather_rows(cache, rows)
+    return engine.gather_rows(cache, rows)
 
 
 def unusable_reason(engine: QuantizedLlama) -> str | None:

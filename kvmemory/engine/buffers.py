@@ -7,10 +7,12 @@ instead writes new rows into a buffer with spare capacity and publishes ``layer.
 row gathers, exports, strict erase) keeps working on plain ``[1, kv_heads, rows, head_dim]``
 tensors and writes in place through the views.
 
-A buffer is reused only while the layer still holds exactly the views the engine published
-(object identity): any other writer that replaced them (a transformers forward, a crop, a
-repair building a new cache) makes the next engine call copy the rows into a fresh buffer. So
-rows beyond a view are never visible to anyone else, and nothing is shared by accident.
+A buffer is reused while the layer still holds the views the engine published (object identity)
+or a shorter prefix of them (``DynamicLayer.crop`` slices the published view: the crop of the
+last answer's rows before the next turn); the rows cut off are zeroed before they are reused.
+Any other writer that replaced them (a transformers forward, a repair building a new cache)
+makes the next engine call copy the rows into a fresh buffer. So rows beyond a view are never
+visible to anyone else, and nothing is shared by accident (forks and exports copy rows).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class _Storage:
     all_keys: torch.Tensor  # [layers, 1, kv_heads, capacity, head_dim]
     all_values: torch.Tensor
     published: list[tuple[torch.Tensor, torch.Tensor]]  # the views handed to the cache layers
+    length: int = 0  # rows of the published views
+    answer_room: int = 0  # rows past the prompt the caller's last explicit capacity reserved
+    requested: int | None = None  # that capacity
 
     @property
     def keys(self) -> torch.Tensor:
@@ -52,9 +57,10 @@ class CacheBuffers:
         """Storage whose rows ``[0, start)`` equal the cache's and that has room for ``rows`` more.
 
         ``capacity``: the rows the caller expects the cache to reach (e.g. prompt + answer limit),
-        allocated at once when the storage must grow; without it the storage grows to exactly
-        ``start + rows``, or to the capacity this cache's previous storage had (no slack a
-        memory budget did not reserve before).
+        allocated at once when the storage must grow; without it the storage grows to
+        ``start + rows`` plus the answer room the caller reserved last time (an appended turn
+        is followed by an answer of the same limit: one copy of the rows, not two), or to the
+        capacity this cache's previous storage had (no slack a memory budget did not reserve before).
 
         Raises:
             ValueError: the cache does not hold exactly ``start`` rows.
@@ -63,14 +69,51 @@ class CacheBuffers:
         if held != start:
             raise ValueError(f"the cache holds {held} rows, the engine was asked to append at row {start}")
         storage = self._storage.get(cache)
+        if storage is not None and self._cropped(cache, storage, start):
+            self._reclaim(storage, start)
         if storage is None or not self._owns(cache, storage) or storage.capacity < start + rows:
             # a cache whose views were replaced (a crop of the last answer's rows, a repair) gets
             # back the capacity it had reserved before: the next answer then fits without a
             # second copy of every row
             reserved = storage.capacity if storage is not None else 0
-            storage = self._allocate(cache, start, max(start + rows, capacity or 0, reserved))
-            self._storage[cache] = storage
+            room = storage.answer_room if storage is not None else 0
+            wanted = capacity if capacity is not None else start + rows + room
+            grown = self._allocate(cache, start, max(start + rows, wanted, reserved))
+            grown.answer_room, grown.requested = room, storage.requested if storage is not None else None
+            storage = self._storage[cache] = grown
+        if capacity is not None and capacity != storage.requested:  # a new answer's reservation
+            storage.requested, storage.answer_room = capacity, max(capacity - start, 0)
         return storage
+
+    def gather(self, source, rows: torch.Tensor, target) -> None:
+        """Fill ``target`` (an empty plain cache with as many layers as ``source``) with a copy of
+        ``source``'s rows: target row j = source row ``rows[j]``, zero where ``rows[j] < 0`` (a
+        placeholder the caller writes before anything reads it). The rows land in a fresh buffer
+        with the answer room ``source`` reserved last, so the answer after a repair appends
+        without another copy of every row. Contiguous runs of rows are copied as one slice
+        (a middle deletion is two copies per tensor, not a row-by-row gather)."""
+        old = self._storage.get(source)
+        room = old.answer_room if old is not None else 0
+        n = rows.shape[0]
+        whole = old if old is not None and old.length == source.get_seq_length() and self._owns(source, old) else None
+        storage = self._empty(len(target.layers), n + room)
+        storage.all_keys[:, :, :, n:].zero_()
+        storage.all_values[:, :, :, n:].zero_()
+        for dst, src, length in _runs(rows.tolist()):
+            if src < 0:
+                storage.all_keys[:, :, :, dst:dst + length].zero_()
+                storage.all_values[:, :, :, dst:dst + length].zero_()
+                continue
+            if whole is not None:  # every layer in one copy
+                storage.all_keys[:, :, :, dst:dst + length] = whole.all_keys[:, :, :, src:src + length]
+                storage.all_values[:, :, :, dst:dst + length] = whole.all_values[:, :, :, src:src + length]
+                continue
+            for i, layer in enumerate(source.layers):
+                storage.all_keys[i, :, :, dst:dst + length] = layer.keys[:, :, src:src + length]
+                storage.all_values[i, :, :, dst:dst + length] = layer.values[:, :, src:src + length]
+        storage.answer_room = room
+        self._storage[target] = storage
+        self.publish(target, storage, n)
 
     def publish(self, cache, storage: _Storage, length: int) -> None:
         """Point every layer's ``keys`` / ``values`` at rows ``[0, length)`` of the storage."""
@@ -80,25 +123,66 @@ class CacheBuffers:
                 layer.lazy_initialization(k, v)
             layer.keys, layer.values = k[:, :, :length], v[:, :, :length]
             storage.published.append((layer.keys, layer.values))
+        storage.length = length
+
+    @staticmethod
+    def _cropped(cache, storage: _Storage, start: int) -> bool:
+        """Every layer holds the first ``start`` (< published) rows of the storage's views: a crop."""
+        if not storage.published or start >= storage.length or len(storage.published) != len(cache.layers):
+            return False
+        return all(_prefix_of(layer.keys, k, start) and _prefix_of(layer.values, v, start)
+                   for layer, (k, v) in zip(cache.layers, storage.published))
+
+    def _reclaim(self, storage: _Storage, start: int) -> None:
+        """Take a cropped storage back: zero the rows cut off and mark rows ``[0, start)`` owned
+        (no copy; the layers are republished by the caller's ``publish``)."""
+        storage.all_keys[:, :, :, start:storage.length].zero_()
+        storage.all_values[:, :, :, start:storage.length].zero_()
+        storage.published = [(k[:, :, :start], v[:, :, :start]) for k, v in storage.published]
+        storage.length = start
 
     @staticmethod
     def _owns(cache, storage: _Storage) -> bool:
         return len(storage.published) == len(cache.layers) and all(
-            layer.keys is k and layer.values is v for layer, (k, v) in zip(cache.layers, storage.published)
+            (layer.keys is k or _prefix_of(layer.keys, k, k.shape[2]))
+            and (layer.values is v or _prefix_of(layer.values, v, v.shape[2]))
+            for layer, (k, v) in zip(cache.layers, storage.published)
         )
 
     def _allocate(self, cache, held: int, capacity: int) -> _Storage:
         """A fresh buffer for every layer with ``capacity`` rows, rows ``[0, held)`` copied from the
         cache and the spare rows zeroed (no stale state in memory the cache does not account for)."""
-        shape = (len(cache.layers), 1, self.kv_heads, capacity, self.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for buffers, name in ((keys, "keys"), (values, "values")):
+        storage = self._empty(len(cache.layers), capacity)
+        for buffers, name in ((storage.all_keys, "keys"), (storage.all_values, "values")):
             for i, layer in enumerate(cache.layers):
                 if held:
                     buffers[i, :, :, :held] = getattr(layer, name)
             buffers[:, :, :, held:].zero_()
-        return _Storage(keys, values, [])
+        return storage
+
+    def _empty(self, layers: int, capacity: int) -> _Storage:
+        shape = (layers, 1, self.kv_heads, capacity, self.head_dim)
+        return _Storage(torch.empty(shape, dtype=self.dtype, device=self.device),
+                        torch.empty(shape, dtype=self.dtype, device=self.device), [])
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """``(target start, source start or -1, length)`` for each run of consecutive source rows."""
+    runs: list[tuple[int, int, int]] = []
+    for j, src in enumerate(rows):
+        if runs:
+            dst0, src0, length = runs[-1]
+            if (src < 0 and src0 < 0) or (src >= 0 and src0 >= 0 and src == src0 + length):
+                runs[-1] = (dst0, src0, length + 1)
+                continue
+        runs.append((j, src if src >= 0 else -1, 1))
+    return runs
+
+
+def _prefix_of(view: torch.Tensor, published: torch.Tensor, rows: int) -> bool:
+    """``view`` is rows ``[0, rows)`` of ``published`` (same memory, same strides)."""
+    return (view.data_ptr() == published.data_ptr() and view.stride() == published.stride()
+            and view.shape[:2] == published.shape[:2] and view.shape[2] == rows and view.shape[3] == published.shape[3])
 
 
 def plain_layers(cache) -> bool:

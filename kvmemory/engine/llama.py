@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .buffers import CacheBuffers
@@ -97,6 +98,14 @@ class QuantizedLlama:
                 if module._parameters.get(attr) is not param or param._version != version:
                     return "a model weight was modified in place after the engine was built"
         return None
+
+    def gather_rows(self, cache, rows: torch.Tensor):
+        """:func:`kvmemory.kvcache.gather_rows` into this engine's capacity-backed storage: a new
+        cache whose row j is a copy of ``cache``'s row ``rows[j]`` (LongTensor ``[n]``; -1 gives a
+        zero placeholder row)."""
+        target = DynamicCache(config=self.model.config)
+        self.buffers.gather(cache, rows, target)
+        return target
 
     @torch.no_grad()
     def forward_rows(self, cache, token_ids: torch.Tensor, start: int, capacity: int | None = None) -> torch.Tensor:
