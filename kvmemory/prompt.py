@@ -312,6 +312,8 @@ def render_prompt(
         InputTypeError / InputError: malformed ``tools``, or tools a template cannot take.
     """
     text = _render(tokenizer, messages, generation_prompt, tools)
+    if previous is not None and previous.text == text and previous.messages == tuple(messages):
+        return previous  # an identical request: same tokens and segments, no second tokenization
     bounds = _message_bounds(tokenizer, messages, text, tools, previous)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
