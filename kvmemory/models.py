@@ -211,7 +211,8 @@ def load_model(
             token) and anything else on transformers; ``"q4_1"`` insists (error if it cannot);
             ``"q4_1_int8"`` is that engine with int8 activations on decoded tokens and short
             appends (faster, lossy like llama.cpp; needs AVX-512 VNNI; error if it cannot);
-            ``"q4_1_int8_bf16"`` adds bf16 linears for prefills (faster first call, lossy);
+            ``"q4_1_bf16"`` adds bf16 linears for prefills to ``"q4_1"`` (faster first call, lossy
+            like the bf16 dtype; decoding stays exact), ``"q4_1_int8_bf16"`` to ``"q4_1_int8"``;
             ``"transformers"`` always uses the model's own forward. ``LoadedModel.engine`` says
             which runs and why.
 

@@ -185,11 +185,11 @@ class ChatKVMemory(BaseChatModel):
     """Weights and cache dtype (CPU: fp32 is exact to Re-prefill, bf16 is faster). Alias
     ``torch_dtype``; accepts ``"float32"``/``torch.float32``, ``"bfloat16"``/``torch.bfloat16`` and
     ``"auto"`` (bf16 on CUDA, fp32 on CPU)."""
-    engine: Literal["auto", "q4_1", "q4_1_int8", "q4_1_int8_bf16", "transformers"] = "auto"
+    engine: Literal["auto", "q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16", "transformers"] = "auto"
     """What computes cache rows (``kvmemory.load_model(engine=...)``): ``"auto"`` runs the embedded
     model on its GGUF blocks (same weights, faster decoding on CPU) and other models on transformers;
     ``"q4_1_int8"`` adds int8 activations on decoded tokens (faster, lossy like llama.cpp),
-    ``"q4_1_int8_bf16"`` also bf16 linears for prefills;
+    ``"q4_1_bf16"`` bf16 linears for prefills (faster first call, lossy like bf16), ``"q4_1_int8_bf16"`` both;
     ``response_metadata["repair"]["engine"]`` says which ran and why."""
     device: str = "cpu"
     """Where the model runs (alias ``device_map``): ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"auto"``

@@ -327,10 +327,11 @@ def test_int8_engine_is_reported_and_requested_by_name():
 BF16_LOGITS_ATOL = 1.5
 
 
-def test_bf16_prefill_engine_replays_like_its_own_reprefill(real):
-    status = engine.attach(real.model, embedded_gguf_path(), "q4_1_int8_bf16")
+@pytest.mark.parametrize("kind", ["q4_1_bf16", "q4_1_int8_bf16"])
+def test_bf16_prefill_engine_replays_like_its_own_reprefill(real, kind):
+    status = engine.attach(real.model, embedded_gguf_path(), kind)
     try:
-        assert status == engine.EngineStatus("q4_1_int8_bf16")
+        assert status == engine.EngineStatus(kind)
         fast = engine.engine_for(real.model, kvcache.new_cache(real.model.config))
         copies = sum(p.numel() for layer in real.model.model.layers for p in layer.parameters() if p.dim() == 2) * 2
         assert fast.nbytes > copies  # the bf16 weight copies are counted
@@ -338,7 +339,7 @@ def test_bf16_prefill_engine_replays_like_its_own_reprefill(real):
         session.prepare(history() + [QUERY])
         session.generate(12)
         report = session.prepare(without(history() + [QUERY], "t1"))
-        assert report.engine["name"] == "q4_1_int8_bf16" and report.recomputed_tokens >= DENSE_FROM_ROWS
+        assert report.engine["name"] == kind and report.recomputed_tokens >= DENSE_FROM_ROWS
         reference = _same_path_reprefill(real.model, session.token_ids)
         torch.testing.assert_close(session.next_logits, reference, atol=LOGITS_ATOL, rtol=0)
         exact = reprefill_logits(real.model, session.token_ids)

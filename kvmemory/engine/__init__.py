@@ -8,9 +8,10 @@ blocks the model's weights were dequantized from, writing a pre-allocated cache.
 appends, as llama.cpp does): each linear's input is rounded to int8 per 32 values and multiplied
 with VNNI integer dot products. Same weights, lossy activations (see docs/engine.md for the
 measured tolerances); long inputs (prefill) still run the exact dense fp32 path. Needs AVX-512 VNNI.
-``"q4_1_int8_bf16"``: ``"q4_1_int8"`` whose long inputs (>= 24 rows: prefill, long appends,
-Replay) multiply bf16 copies of the weights in bf16 (oneDNN, AVX512-BF16), ~2.5x the fp32 GEMM
-speed for ~212 MB more weights (SmolLM2); lossy like the model's bf16 dtype.
+``"q4_1_bf16"``: ``"q4_1"`` whose long inputs (>= 24 rows: prefill, long appends, Replay)
+multiply bf16 copies of the weights in bf16 (oneDNN, AVX512-BF16), ~2.5x the fp32 GEMM speed for
+~212 MB more weights (SmolLM2); lossy like the model's bf16 dtype; decoding stays exact fp32.
+``"q4_1_int8_bf16"``: both (int8 activations on the block path, bf16 long inputs).
 
 The engine is a setting of the loaded model (every session on it shares it), chosen with
 :func:`attach` (``kvmemory.load_model(engine="auto")`` does it for the embedded model). Every
@@ -36,8 +37,8 @@ from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("auto", "q4_1", "q4_1_int8", "q4_1_int8_bf16", "transformers")
-BLOCK_ENGINES = ("q4_1", "q4_1_int8", "q4_1_int8_bf16")  # the engines on the GGUF blocks (asked for by name: failures raise)
+ENGINES = ("auto", "q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16", "transformers")
+BLOCK_ENGINES = ("q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16")  # the engines on the GGUF blocks (asked for by name: failures raise)
 
 _attached: "weakref.WeakKeyDictionary[torch.nn.Module, QuantizedLlama]" = weakref.WeakKeyDictionary()
 _refused: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
@@ -65,7 +66,7 @@ def attach(model, gguf: str | Path, engine: str = "auto") -> EngineStatus:
         engine: ``"auto"`` (use ``"q4_1"`` when possible, else transformers, with the reason in
             :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"q4_1_int8"`` (the same
             with int8 activations on the block path; raise when it cannot run, e.g. no AVX-512
-            VNNI), ``"q4_1_int8_bf16"`` (and bf16 linears for long inputs), ``"transformers"``
+            VNNI), ``"q4_1_bf16"`` (bf16 linears for long inputs), ``"q4_1_int8_bf16"`` (both), ``"transformers"``
             (detach).
 
     Returns:
@@ -131,7 +132,7 @@ def unusable_reason(engine: QuantizedLlama) -> str | None:
 def build(model, gguf: Path, int8_activations: bool = False, bf16_prefill: bool = False) -> QuantizedLlama:
     """Read ``gguf``'s blocks and check them against ``model``'s weights (see :func:`attach`).
     ``int8_activations``: the ``"q4_1_int8"`` engine (needs the kernel's VNNI build);
-    ``bf16_prefill``: bf16 linears on the dense path (``"q4_1_int8_bf16"``).
+    ``bf16_prefill``: bf16 linears on the dense path (``"q4_1_bf16"``, ``"q4_1_int8_bf16"``).
 
     Raises:
         EngineUnsupportedError: architecture, dtype, device, adapters, or weights that are not the
