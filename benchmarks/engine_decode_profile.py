@@ -8,7 +8,7 @@ time, so a busy neighbour inflates it less than wall time) unless ``--threads`` 
 time is used. The step is timed on a random cache (attention costs the same for any values).
 Output: ``profile.json`` and ``profile.md`` in ``--out``.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE PYTHONPATH=.:lab .venv/bin/python benchmarks/engine_decode_profile.py \\
+    OMP_NUM_THREADS=2 PYTHONPATH=.:lab .venv/bin/python benchmarks/engine_decode_profile.py --threads 2 \\
         --out benchmarks/results/agent_engine_vnni/profile
 """
 
