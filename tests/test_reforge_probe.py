@@ -130,6 +130,27 @@ def test_probed_session_spends_its_budget_and_reports_what_stays_stale(tokenizer
     assert forked.reforge.account is not rich.reforge.account and forked.reforge.account == rich.reforge.account
 
 
+def test_a_query_update_probes_from_the_first_changed_cache_layer(tokenizer):
+    """q_proj at layer 2 changes layer 2's output, not its K/V: recovery restarts at 2 but the
+    first probe is at r_kv = 3; the run through layer 2 is charged like a layer."""
+    pm = lora_tiny()
+    s = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=100))
+    s.prepare(MSGS)
+    nudge(pm, 2, "q_proj", scale=2.0)
+    report = s.maintain()
+    assert (report.r_kv, report.start, report.end) == (3, 2, 6) and sorted(report.probes["deviations"]) == [3, 4, 5]
+    assert report.budget["spent"] == pytest.approx(4 + report.probes["layers"])
+    assert torch.allclose(s.next_logits, fresh_logits(pm, tokenizer, MSGS).next_logits, atol=ATOL)
+    quiet = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=100, tau=math.inf))
+    quiet.prepare(MSGS)
+    nudge(pm, 2, "q_proj", scale=2.0, seed=5)
+    report = quiet.maintain()
+    assert report.action == "reuse" and list(report.probes["deviations"]) == [3]
+    # layer 2 ran only to reach the probe at 3: charged and reported with the probe's cost
+    assert 1 < report.probes["layers"] < 1.1 and report.budget["spent"] == pytest.approx(report.probes["layers"])
+    assert report.recompute_pct == pytest.approx(100 * report.budget["spent"] / LAYERS)
+
+
 @pytest.mark.parametrize("order", ["edit_then_update", "update_then_edit"])
 def test_probed_updates_and_edits_compose_exactly(tokenizer, order):
     pm = lora_tiny()

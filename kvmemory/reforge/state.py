@@ -95,8 +95,9 @@ class ReforgeConfig:
 class ReforgeReport:
     """One maintenance step. ``action``: reuse / bounded / full_suffix / reprefill; layers
     ``[start, end)`` executed over ``rows`` rows; ``recompute_pct`` = (b_t − r)/N·100 (%), the
-    probed policy's probes included at their layer share (``probes``: their count, cost in
-    layers and relative K/V deviation per probed layer);
+    probed policy's probes included at their layer share (``probes``: their count, their cost in
+    layers, which includes valid layers below r_kv executed only to reach a probe, and the
+    relative K/V deviation per probed layer);
     ``reanchored``: layers found exactly valid and re-anchored without compute; ``ms``: wall
     time (ms) of the whole step, of which ``request_ms`` recomputed the last row (the pending
     request's first token) and the rest is cache maintenance; ``mixed``: the cache mixes adapter
