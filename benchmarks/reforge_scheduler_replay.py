@@ -1,5 +1,6 @@
-"""The budgeted CacheReforge scheduler against the paper's eq. 9 by exact replay
-(``kvmemory_lab.reforge.trajectory.PolicyReplay``) on cached trajectory banks.
+"""The budgeted CacheReforge schedulers (drift-predicted ``scheduled`` and K/V-probed ``probed``)
+against the paper's eq. 9 by exact replay (``kvmemory_lab.reforge.trajectory.PolicyReplay``) on
+cached trajectory banks.
 
 Fit (calibration banks only, seeds 53 and 61 as in the paper)::
 
@@ -7,26 +8,36 @@ Fit (calibration banks only, seeds 53 and 61 as in the paper)::
         --base benchmarks/results/reforge_profiles/fit5_seeds53-61.json --budget 5 --bank-dir .banks \
         --out benchmarks/results/reforge_profiles/sched5_seeds53-61.json
 
+Fit the probed policy's thresholds (calibration banks only)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/reforge_scheduler_replay.py fit-probe --seeds 53 \
+        --base benchmarks/results/reforge_profiles/sched5_seed53.json --budget 5 --bank-dir .banks \
+        --out benchmarks/results/reforge_profiles/probe5_seed53.json
+
 Held-out replay (8 eval prompts × seeds 7, 17, 29, 32 updates)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/reforge_scheduler_replay.py eval \
-        --profile benchmarks/results/reforge_profiles/sched5_seeds53-61.json \
+        --profile benchmarks/results/reforge_profiles/probe5_seed53.json \
         --labelled benchmarks/results/reforge_profiles/calib16_gaps1-4-16.json --bank-dir .banks \
-        --out benchmarks/results/reforge_scheduler
+        --out benchmarks/results/reforge_scheduler_probe
 
 Writes ``replay.json`` / ``replay.md`` / ``frontier.png``: per seed and pooled KL reduction vs
 stale reuse and recomputed layers for stale reuse, eq. 9 (labelled and fitted δ, with risk
 scales for its frontier), drift-only, fixed window, the scheduler (at several budgets for its
-frontier) and the exact-KL oracle (an in-sample reference, not a runtime policy), plus where the
-scheduler's decisions differ from eq. 9 (per-layer refresh frequency, range ends).
-Banks (~2 GB each for 8 prompts × 33 versions) are kept in ``--bank-dir``.
+frontier), the probed policy when the profile has a ``probe`` calibration (probes charged in
+its recomputed layers), and the exact-KL oracle (an in-sample reference, not a runtime policy),
+plus where the schedulers' decisions differ from eq. 9 (per-layer refresh frequency, range ends).
+Banks (~2 GB each for 8 prompts × 33 versions) are kept in ``--bank-dir``; each bank's measured
+state KLs are kept in ``--memo-dir`` (``*.memo``) so later replays of the same bank skip those forwards.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +53,12 @@ def main() -> None:
     fit.add_argument("--seeds", default="53,61")
     fit.add_argument("--rules", default="ratio,lagrangian")
     fit.add_argument("--out", type=Path, required=True)
+    fp = sub.add_parser("fit-probe", help="fit the probed policy's thresholds on calibration banks")
+    fp.add_argument("--base", type=Path, required=True, help="profile the probe calibration is added to")
+    fp.add_argument("--budget", type=float, default=5.0)
+    fp.add_argument("--seeds", default="53")
+    fp.add_argument("--pacings", default="0,0.5,0.9", help="pacing κ grid (comma list; one value fixes κ)")
+    fp.add_argument("--out", type=Path, required=True)
     ev = sub.add_parser("eval", help="replay every policy on held-out banks")
     ev.add_argument("--profile", type=Path, required=True, help="profile with a scheduler calibration")
     ev.add_argument("--labelled", type=Path, default=None, help="the paper's label-calibrated profile (eq. 6-7)")
@@ -50,19 +67,25 @@ def main() -> None:
     ev.add_argument("--scales", default="0.7,1.4", help="eq. 9 risk scales for its frontier")
     ev.add_argument("--extra", nargs="*", default=[],
                     help="NAME=PATH: also replay the scheduler of another profile as scheduled_NAME")
+    ev.add_argument("--probe-extra", nargs="*", default=[],
+                    help="NAME=PATH: also replay the probed policy of another profile as probed_NAME")
+    ev.add_argument("--probe-pacings", default="",
+                    help="also replay the profile's probe thresholds with these pacings κ (probed_kκ)")
     ev.add_argument("--oracle-prices", default="0.003", help="λ of the exact-KL oracle (empty: none)")
     ev.add_argument("--out", type=Path, required=True)
     ev.add_argument("--reuse-seeds", action="store_true",
                     help="take a seed's rows from OUT/seed_S.json when an earlier run of the same policies wrote it")
-    for p in (fit, ev):
+    for p in (fit, fp, ev):
         p.add_argument("--prompts", default="8", help="prompts per seed: one number, or one per seed (8,8,4)")
         p.add_argument("--updates", type=int, default=32)
         p.add_argument("--bank-dir", type=Path, default=Path(".banks"))
+        p.add_argument("--memo-dir", type=Path, default=None,
+                       help="where each bank's measured state KLs are kept (default: --bank-dir)")
         p.add_argument("--target", default="v_proj")
         p.add_argument("--layer", default=None, help="LoRA layer(s), comma list (default N//2)")
     args = parser.parse_args()
     w = workload(args)
-    (run_fit if args.command == "fit" else run_eval)(w, args)
+    {"fit": run_fit, "fit-probe": run_fit_probe, "eval": run_eval}[args.command](w, args)
 
 
 def workload(args):
@@ -88,9 +111,55 @@ def prompts_of(args, seed: int) -> int:
 
 
 def banks(w, args, split: str, seeds: list[int]):
+    from kvmemory_lab.reforge import trajectory
     from kvmemory_lab.reforge.cli import cached_bank
 
+    sys.modules.setdefault("kvmemory.reforge.trajectory", trajectory)  # banks pickled before the lab split
     return [cached_bank(w, split, prompts_of(args, seed), seed, args.updates, 1e-2, args.bank_dir) for seed in seeds]
+
+
+def memo_path(w, args, split: str, seed: int) -> Path:
+    from kvmemory_lab.reforge.cli import bank_path
+
+    path = bank_path(args.bank_dir, w, split, prompts_of(args, seed), seed, args.updates, 1e-2).with_suffix(".memo")
+    if args.memo_dir is None:
+        return path
+    args.memo_dir.mkdir(parents=True, exist_ok=True)
+    return args.memo_dir / path.name
+
+
+def replay_of(w, args, split: str, seed: int):
+    """A one-bank PolicyReplay with the bank's memoised state KLs loaded."""
+    from kvmemory_lab.reforge.trajectory import PolicyReplay
+    from kvmemory_lab.reforge.workload import load_snapshot
+
+    (bank,) = banks(w, args, split, [seed])
+    replay = PolicyReplay(w.model, [bank], load_snapshot)
+    memo = memo_path(w, args, split, seed)
+    if memo.is_file():
+        replay.load_memo(memo)
+    return replay, memo
+
+
+def run_fit_probe(w, args) -> None:
+    from kvmemory.reforge.profile import ReforgeProfile
+    from kvmemory_lab.reforge.probe_fit import fit_probe
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if len(seeds) != 1:
+        raise SystemExit("fit-probe takes one calibration seed (the machine holds one ~2 GB bank at a time)")
+    replay, memo = replay_of(w, args, "calibration", seeds[0])
+    t0 = time.perf_counter()
+    fit = fit_probe(replay, args.budget, pacings=tuple(float(x) for x in args.pacings.split(",")))
+    replay.save_memo(memo)
+    cal = fit.calibration
+    cal.fit.update({"seeds": seeds, "prompts_per_seed": [prompts_of(args, s) for s in seeds], "updates": args.updates,
+                    "fit_s": time.perf_counter() - t0})
+    profile = ReforgeProfile.load(args.base).model_copy(update={"probe": cal})
+    profile.save(args.out)
+    print(f"probed: calibration {fit.kl_reduction_pct:.2f} % KL reduction at {fit.recompute_pct:.2f} % layers "
+          f"(probes {fit.probe_pct:.3f} %), rows {cal.rows}, carry {cal.carry:g}, pacing {cal.pacing:g}, group τ {cal.fit['group_tau']}")
+    print(f"wrote {args.out}")
 
 
 def run_fit(w, args) -> None:
@@ -141,6 +210,19 @@ def run_eval(w, args) -> None:
         name, path = item.split("=", 1)
         other = ReforgeProfile.load(path)
         policies[f"scheduled_{name}"] = ReplayPolicy("scheduled", other, other.scheduler.fit["budget_pct"])
+    if profile.probe is not None:
+        probe_budget = profile.probe.fit["budget_pct"] if profile.probe.fit else 5.0
+        policies["probed"] = ReplayPolicy("probed", budget_pct=probe_budget, probe=profile.probe)
+        for b in (float(x) for x in args.budgets.split(",") if x):
+            if b != probe_budget:
+                policies[f"probed_b{b:g}"] = ReplayPolicy("probed", budget_pct=b, probe=profile.probe)
+        for k in (float(x) for x in args.probe_pacings.split(",") if x):
+            policies[f"probed_k{k:g}"] = ReplayPolicy("probed", budget_pct=probe_budget,
+                                                      probe=profile.probe.model_copy(update={"pacing": k}))
+    for item in args.probe_extra:
+        name, path = item.split("=", 1)
+        other = ReforgeProfile.load(path).probe
+        policies[f"probed_{name}"] = ReplayPolicy("probed", budget_pct=other.fit["budget_pct"], probe=other)
     for price in (float(x) for x in args.oracle_prices.split(",") if x):
         policies[f"oracle_l{price:g}"] = ReplayPolicy("oracle", budget_pct=budget, price=price,
                                                       carry=profile.scheduler.carry)
@@ -154,15 +236,17 @@ def run_eval(w, args) -> None:
                 rows[seed], decisions[seed] = old["rows"], old["decisions"]
                 continue
         t0 = time.perf_counter()
-        (bank,) = banks(w, args, "eval", [seed])
-        results = PolicyReplay(w.model, [bank], load_snapshot).evaluate(list(policies.values()))
-        rows[seed] = {n: {"kl": r.kl, "top1": r.top1, "recompute_pct": r.recompute_pct, "actions": r.actions}
-                      for n, r in zip(policies, results)}
-        decisions[seed] = {n: r.ends[0] for n, r in zip(policies, results) if n in ("scheduled", "eq9_fitted")}
+        replay, memo = replay_of(w, args, "eval", seed)
+        bank = replay.banks[0]
+        results = replay.evaluate(list(policies.values()))
+        replay.save_memo(memo)
+        rows[seed] = {n: {"kl": r.kl, "top1": r.top1, "recompute_pct": r.recompute_pct, "probe_pct": r.probe_pct,
+                          "actions": r.actions} for n, r in zip(policies, results)}
+        decisions[seed] = {n: r.ends[0] for n, r in zip(policies, results) if n in DECIDERS}
         decisions[seed]["restart"], decisions[seed]["num_layers"] = bank.restart, bank.num_layers
         saved.write_text(json.dumps({"rows": rows[seed], "decisions": decisions[seed]}))
         print(f"seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)
-        del bank
+        del bank, replay
     result = summarise(rows, decisions, policies, args, profile)
     (args.out / "replay.json").write_text(json.dumps(result, indent=1))
     (args.out / "replay.md").write_text(markdown(result))
@@ -188,20 +272,24 @@ def summarise(rows, decisions, policies, args, profile) -> dict:
             "profile": str(args.profile), "scheduler": profile.scheduler.model_dump()}
 
 
+DECIDERS = ("scheduled", "probed", "eq9_fitted")  # policies whose range ends are compared
+
+
 def decision_summary(decisions) -> dict:
     """Per-layer refresh frequency (% of updates that recompute layer ℓ) and mean range end."""
     out = {}  # frequencies: mean over seeds; refreshes and ends: pooled over trajectories
     for seed, d in decisions.items():
         r, n = d["restart"], d["num_layers"]
-        for name in ("scheduled", "eq9_fitted"):
+        for name in (n for n in DECIDERS if n in d):
             ends = [e for prompt in d[name] for e in prompt]
             freq = [100 * sum(1 for e in ends if e is not None and e > layer) / len(ends) for layer in range(r, n)]
             agg = out.setdefault(name, {"freq": [0.0] * (n - r), "ends": [], "restart": r})
             agg["freq"] = [a + f / len(decisions) for a, f in zip(agg["freq"], freq)]
             agg["ends"] += [e for e in ends if e is not None]
-        same = sum(1 for a, b in zip(sum(d["scheduled"], []), sum(d["eq9_fitted"], [])) if a == b)
-        out.setdefault("same_decision_pct", []).append(100 * same / len(sum(d["scheduled"], [])))
-    for name in ("scheduled", "eq9_fitted"):
+        for name in (n for n in DECIDERS[:-1] if n in d):
+            same = sum(1 for a, b in zip(sum(d[name], []), sum(d["eq9_fitted"], [])) if a == b)
+            out.setdefault(f"{name}_same_decision_pct", []).append(100 * same / len(sum(d[name], [])))
+    for name in (n for n in DECIDERS if n in out):
         ends = out[name].pop("ends")
         out[name]["refreshes_per_trajectory"] = len(ends) / sum(len(d[name]) for d in decisions.values())
         out[name]["mean_end"] = statistics.fmean(ends) if ends else None
@@ -226,16 +314,18 @@ def markdown(r: dict) -> str:
                 f"{p['min_seed_kl_reduction_pct']:.1f} |") if p else " | – | – | – | – | – |"
         lines.append(f"| {n} | " + " | ".join(cells) + tail)
     d = r["decisions"]
-    lines += ["", "Where the decisions differ (pooled over seeds):", "",
-              f"- same range end as eq. 9 (fitted) in {statistics.fmean(d['same_decision_pct']):.1f} % of updates",
-              "| policy | refreshes / trajectory | mean end b | full-suffix share of refreshes % | "
+    lines += ["", "Where the decisions differ (pooled over seeds):", ""]
+    lines += [f"- {name}: same range end as eq. 9 (fitted) in {statistics.fmean(d[f'{name}_same_decision_pct']):.1f} "
+              "% of updates" for name in DECIDERS[:-1] if f"{name}_same_decision_pct" in d]
+    lines += ["", "| policy | refreshes / trajectory | mean end b | full-suffix share of refreshes % | "
               "per-layer refresh frequency from r (% of updates) |", "|---|---|---|---|---|"]
-    for name in ("scheduled", "eq9_fitted"):
+    for name in (n for n in DECIDERS if n in d):
         x = d[name]
         lines.append(f"| {name} | {x['refreshes_per_trajectory']:.2f} | {x['mean_end'] or 0:.2f} | "
                      f"{x['full_suffix_share_pct']:.1f} | {', '.join(f'{f:.1f}' for f in x['freq'])} |")
     lines += ["", "oracle_*: the same budget account choosing by the exact KL of every candidate range "
-              "(in-sample reference, not a runtime policy)."]
+              "(in-sample reference, not a runtime policy). probed*: recomputed layers include the probes "
+              "(their FLOP share of a layer)."]
     return "\n".join(lines) + "\n"
 
 
@@ -244,14 +334,17 @@ def plot(r: dict, path: Path) -> None:
 
     plt = agg_pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    families = {"eq. 9 fitted δ (× α)": "eq9_fitted", "scheduler (budgets)": "scheduled"}
+    families = {"eq. 9 fitted δ (× α)": "eq9_fitted", "drift scheduler (budgets)": "scheduled",
+                "probed (budgets)": "probed"}
+    members = {prefix: [n for n in r["pooled"] if n == prefix or re.fullmatch(rf"{prefix}_(b|x)[0-9.]+", n)]
+               for prefix in families.values()}
     for label, prefix in families.items():
-        pts = sorted((p["recompute_pct"], p["kl_reduction_pct"]) for n, p in r["pooled"].items() if n.startswith(prefix))
+        pts = sorted((r["pooled"][n]["recompute_pct"], r["pooled"][n]["kl_reduction_pct"]) for n in members[prefix])
         ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
-    others = [n for n in r["pooled"] if not n.startswith(("eq9_fitted", "scheduled", "stale"))]
+    others = [n for n in r["pooled"] if n != "stale" and not any(n in m for m in members.values())]
     for k, n in enumerate(others):
         p = r["pooled"][n]
-        ax.scatter(p["recompute_pct"], p["kl_reduction_pct"], marker="s", color=f"C{k + 2}", label=n)
+        ax.scatter(p["recompute_pct"], p["kl_reduction_pct"], marker="s", color=f"C{(k + 3) % 10}", label=n)
     ax.axhline(95, color="gray", lw=0.8, ls="--")
     ax.axvline(5, color="gray", lw=0.8, ls="--")
     ax.set_xlabel("recomputed layers (% of N per update)")

@@ -10,7 +10,10 @@ import torch
 from kvmemory.divergence import first_token_kl
 from kvmemory.reforge import ReforgeConfig
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
-from kvmemory_lab.reforge.trajectory import PolicyReplay, build_bank, fit_to_budget, parse_groups, window_groups
+from kvmemory.reforge.probe import ProbeCalibration
+from kvmemory_lab.reforge.probe_fit import fit_probe
+from kvmemory_lab.reforge.trajectory import (PolicyReplay, ReplayPolicy, build_bank, fit_to_budget, parse_groups,
+                                             window_groups)
 from kvmemory_lab.reforge.workload import load_snapshot, trainable_snapshot
 from kvmemory.session import KVSession
 from support import QUERY, history
@@ -35,10 +38,11 @@ def profile_for(num_layers: int, delta: dict[int, float]) -> ReforgeProfile:
                           sensitivity=[1.0 / delta[i] if i in delta else 0.0 for i in range(num_layers)])
 
 
-def session_trajectory(model, tokenizer, msgs, versions, profile):
+def session_trajectory(model, tokenizer, msgs, versions, profile, config=None):
     """KL to fresh and recomputed-layer % of a real session maintained at every version."""
     load_snapshot(model, versions[0])
-    s = KVSession(model, tokenizer, "replay", reforge=ReforgeConfig(policy="cachereforge", profile=profile))
+    config = config or ReforgeConfig(policy="cachereforge", profile=profile)
+    s = KVSession(model, tokenizer, "replay", reforge=config)
     s.prepare(msgs)
     kls, recs = [], []
     for v in versions[1:]:
@@ -158,3 +162,32 @@ def test_replay_matches_sessions_on_the_real_model(real, tokenizer):
         assert result.actions["reuse"] and result.actions["bounded"] + result.actions["full_suffix"]
     finally:
         model.unload()
+
+
+def test_probed_replay_reproduces_probed_sessions(tokenizer):
+    """The bank's probe values are what a session's probe measures: replayed decisions, probes
+    charged and KLs equal a maintained probed session's at every version; the fit stays within
+    its budget."""
+    model = lora_tiny(targets=("v_proj",), layers=(2,), trainable_layer=2)
+    versions = trajectory(model, 6, layer=2, scale=0.6)
+    bank = build_bank(model, [prompt_ids(model, tokenizer, m) for m in PROMPTS], versions, load_snapshot)
+    replay = PolicyReplay(model, [bank], load_snapshot, max_batch=3)
+    devs = replay.probe_values(0, 4)
+    tau = float(devs[:, 1:, 1:, 0].median())  # deep layers against v0: some probes pass, some stop
+    calibration = ProbeCalibration(thresholds=[None, None] + [tau] * 4, rows=4, carry=4.0, pacing=0.5)
+    profile = profile_for(LAYERS, {}).model_copy(update={"probe": calibration})
+    result, = replay.evaluate([ReplayPolicy("probed", budget_pct=40, probe=calibration)])
+    expected_kl, expected_rec = [], []
+    for msgs in PROMPTS:
+        config = ReforgeConfig(policy="probed", profile=profile, budget_pct=40)
+        kls, recs = session_trajectory(model, tokenizer, msgs, versions, profile, config)
+        expected_kl += kls
+        expected_rec += recs
+    assert result.actions["reuse"] > 0 and result.actions["bounded"] + result.actions["full_suffix"] > 0
+    assert result.probe_pct > 0
+    assert result.recompute_pct == pytest.approx(sum(expected_rec) / len(expected_rec), rel=1e-6)
+    assert result.kl == pytest.approx(sum(expected_kl) / len(expected_kl), rel=1e-3, abs=1e-7)
+    fit = fit_probe(replay, 30, rows_grid=(4,), carries=(4.0,), start_taus=(tau, 2 * tau), pacings=(0.0,),
+                    max_steps=1)
+    assert fit.recompute_pct <= 30 + 1e-9 and fit.kl <= fit.stale_kl
+    assert fit.calibration.fit["budget_pct"] == 30 and len(fit.calibration.thresholds) == LAYERS

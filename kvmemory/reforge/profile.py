@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .probe import ProbeCalibration
 from .scheduler import SchedulerCalibration
 
 
@@ -56,6 +57,8 @@ class ReforgeProfile(BaseModel):
                              "(kvmemory_lab.reforge.trajectory): budget, group δs, calibration KL and recompute %")
     scheduler: SchedulerCalibration | None = Field(default=None, description="weights and price of the budgeted "
                                                    "scheduler (policy 'scheduled'; kvmemory.reforge.scheduler)")
+    probe: ProbeCalibration | None = Field(default=None, description="K/V-deviation thresholds of the probed "
+                                           "policy (policy 'probed'; kvmemory.reforge.probe)")
 
     def scaled(self, alpha: float) -> "ReforgeProfile":
         """A copy whose sensitivities are ``alpha`` × s_ℓ (δ_ℓ / alpha): the runtime risk q_ℓ = s_ℓ·d_ℓ

@@ -1,6 +1,8 @@
 """Runtime range selection after an adapter update (CacheReforge §Methodology, eqs. 8-9), the
-two RQ4 ablations (drift-only single threshold, fixed two-layer window) and the budgeted
-scheduler that goes beyond eq. 9 (``scheduled``, :mod:`kvmemory.reforge.scheduler`)."""
+two RQ4 ablations (drift-only single threshold, fixed two-layer window) and the two budgeted
+policies that go beyond eq. 9: the drift scheduler (``scheduled``, :mod:`kvmemory.reforge.scheduler`)
+and the K/V-probed policy (``probed``, :mod:`kvmemory.reforge.probe`; it decides while recovery
+runs, so ``ReforgeState`` executes it and :func:`decide` does not)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from typing import Literal
 from .profile import ReforgeProfile
 from .scheduler import BudgetAccount, schedule
 
-Policy = Literal["cachereforge", "scheduled", "exact_suffix", "drift_only", "fixed_window", "stale"]
-POLICIES: tuple[str, ...] = ("cachereforge", "scheduled", "exact_suffix", "drift_only", "fixed_window", "stale")
+Policy = Literal["cachereforge", "scheduled", "probed", "exact_suffix", "drift_only", "fixed_window", "stale"]
+POLICIES: tuple[str, ...] = ("cachereforge", "scheduled", "probed", "exact_suffix", "drift_only", "fixed_window",
+                             "stale")
 FIXED_WINDOW = 2  # layers, the RQ4 fixed-window ablation
 
 
@@ -22,7 +25,9 @@ class Decision:
     ``r_kv``: first cache layer the update invalidated (N: none); ``triggered``: layers with
     q_ℓ ≥ 1 (or d_ℓ ≥ τ for drift-only); ``distances`` d_ℓ and ``risks`` q_ℓ per layer (scheduled:
     the predicted tail-influence term w_ℓ·d_ℓ of each layer); ``predicted_kl``: the scheduler's
-    KL̂ before and after the chosen refresh (None for other policies)."""
+    KL̂ before and after the chosen refresh (None for other policies); ``probe_layers``: the
+    probed policy's probe cost (layers, charged with the executed ones); ``deviations``: its
+    probed relative K/V deviation per layer."""
 
     policy: str
     r_kv: int
@@ -32,6 +37,8 @@ class Decision:
     distances: list[float]
     risks: list[float]
     predicted_kl: tuple[float, float] | None = None
+    probe_layers: float = 0.0
+    deviations: dict[int, float] | None = None
 
     @property
     def action(self) -> str:
@@ -73,7 +80,8 @@ def decide(
 
     Raises:
         ValueError: unknown policy, a profile-based policy without a profile / threshold, or
-            scheduled without a scheduler calibration or budget account.
+            scheduled without a scheduler calibration or budget account, or probed (executed by
+            ``ReforgeState.maintain``).
     """
     n = len(distances)
     if policy not in POLICIES:
@@ -81,6 +89,9 @@ def decide(
     r_kv = invalid[0] if invalid else n
     if policy == "scheduled":
         return _scheduled(distances, invalid, start, profile, account)
+    if policy == "probed":
+        raise ValueError("policy 'probed' decides while bounded recovery runs: maintain the cache through "
+                         "ReforgeState.maintain (kvmemory.reforge.probe), not runtime.decide")
     risks = [0.0] * n
     triggered: list[int] = []
     end: int | None = None

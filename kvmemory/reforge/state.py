@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -23,8 +24,9 @@ import torch
 from .. import kvcache
 from ..capabilities import cache_unsupported_reason
 from ..executors.sequential import forward_rows
+from .probe import extend_while_stale, layer_kv, probe_cost, relative_deviation
 from .profile import ReforgeProfile
-from .recovery import decoder_of, embed, overwrite_layers, run_layers
+from .recovery import LayerRun, decoder_of, embed, overwrite_layers, run_layers
 from .restart import BoundaryStore, target_boundaries
 from .runtime import POLICIES, Decision, decide
 from .scheduler import BudgetAccount
@@ -64,15 +66,15 @@ class Maintained:
 class ReforgeConfig:
     """How a session keeps its cache valid while the adapter learns.
 
-    ``policy``: cachereforge (needs ``profile``), exact_suffix (default without a profile:
-    exact), drift_only, fixed_window, stale (benchmarks only). ``boundary_layers``: layers whose
+    ``policy``: cachereforge (needs ``profile``), scheduled, probed, exact_suffix (default without
+    a profile: exact), drift_only, fixed_window, stale (benchmarks only). ``boundary_layers``: layers whose
     entering hidden state is retained (None: the restart layers of the trainable adapter
     modules, eq. S4). ``adapter``: the adapter whose trainable modules define those restart
     layers (None: every adapter's); it never narrows the version, which always covers every
     computing adapter, which adapters compute and whether they are disabled.
-    ``window``: fixed_window size in layers. ``budget_pct``: the scheduled policy's recompute
-    budget, % of the N layers per adapter update (its profile needs a ``scheduler`` calibration;
-    the paper's eq. 9 stays available as ``cachereforge``).
+    ``window``: fixed_window size in layers. ``budget_pct``: the scheduled / probed policies'
+    recompute budget, % of the N layers per adapter update, probes included (their profile needs a
+    ``scheduler`` / ``probe`` calibration; the paper's eq. 9 stays available as ``cachereforge``).
     """
 
     policy: str | None = None
@@ -92,7 +94,10 @@ class ReforgeConfig:
 @dataclass
 class ReforgeReport:
     """One maintenance step. ``action``: reuse / bounded / full_suffix / reprefill; layers
-    ``[start, end)`` executed over ``rows`` rows; ``recompute_pct`` = (b_t − r)/N·100 (%);
+    ``[start, end)`` executed over ``rows`` rows; ``recompute_pct`` = (b_t − r)/N·100 (%), the
+    probed policy's probes included at their layer share (``probes``: their count, their cost in
+    layers, which includes valid layers below r_kv executed only to reach a probe, and the
+    relative K/V deviation per probed layer);
     ``reanchored``: layers found exactly valid and re-anchored without compute; ``ms``: wall
     time (ms) of the whole step, of which ``request_ms`` recomputed the last row (the pending
     request's first token) and the rest is cache maintenance; ``mixed``: the cache mixes adapter
@@ -101,7 +106,7 @@ class ReforgeReport:
     without θ), recomputed exactly whatever the policy's distance rule says; ``fallback``: why
     every layer was re-prefilled instead of the chosen range (a capability gate: sliding
     windows, a quantized cache), None otherwise; ``budget``: the scheduled policy's account after
-    this step (balance, cap, deposits and spent, in layers; None for other policies);
+    this step (balance, cap, deposits and spent, in layers; scheduled / probed only);
     ``predicted_kl``: the scheduler's predicted KL before / after its chosen range."""
 
     adapter_version: str | None
@@ -123,6 +128,7 @@ class ReforgeReport:
     fallback: str | None = None
     budget: dict | None = None
     predicted_kl: tuple[float, float] | None = None
+    probes: dict | None = None
 
     @property
     def maintenance_ms(self) -> float:
@@ -146,14 +152,9 @@ class ReforgeState:
         self.model = model
         self.config = config or ReforgeConfig()
         policy = self.config.resolved_policy()
-        if policy in ("cachereforge", "drift_only", "scheduled") and self.config.profile is None:
-            raise ValueError(f"CacheReforge policy {policy!r} needs a calibration profile: run `kvmemory calibrate`")
-        if policy == "scheduled" and self.config.profile.scheduler is None:
-            raise ValueError("policy 'scheduled' needs a profile with a scheduler calibration: run "
-                             "`kvmemory calibrate --schedule 5` (or use policy 'cachereforge', eq. 9)")
+        _check_calibration(policy, self.config.profile)
         self.num_layers = model.config.get_text_config().num_hidden_layers
-        self.account = BudgetAccount.open(self.config.budget_pct, self.num_layers, self.config.profile.scheduler.carry) \
-            if policy == "scheduled" else None
+        self.account = self._open_account(policy)
         modules = lora_modules(model)
         adapter = self.config.adapter
         loaded = sorted({a for m in modules for a in m.adapters()})
@@ -271,19 +272,16 @@ class ReforgeState:
         runs: known, with the calibration it needs, calibrated for this layer count.
 
         Raises:
-            ValueError: unknown policy; cachereforge / drift_only / scheduled without a profile
-                (or scheduled without a scheduler calibration); a profile of another layer count.
+            ValueError: unknown policy; cachereforge / drift_only / scheduled / probed without a
+                profile (or scheduled / probed without its calibration); a profile of another
+                layer count.
         """
         policy = policy or self.config.resolved_policy()
         if policy not in POLICIES:
             raise ValueError(f"unknown CacheReforge policy {policy!r}; use one of {', '.join(POLICIES)}")
         profile = self.config.profile
-        if policy in ("cachereforge", "drift_only", "scheduled") and profile is None:
-            raise ValueError(f"CacheReforge policy {policy!r} needs a calibration profile: run `kvmemory calibrate`")
-        if policy == "scheduled" and profile.scheduler is None:
-            raise ValueError("policy 'scheduled' needs a profile with a scheduler calibration: run "
-                             "`kvmemory calibrate --schedule 5` (or use policy 'cachereforge', eq. 9)")
-        if policy in ("cachereforge", "scheduled") and profile.num_layers != self.num_layers:
+        _check_calibration(policy, profile)
+        if policy in ("cachereforge", "scheduled", "probed") and profile.num_layers != self.num_layers:
             raise ValueError(f"the CacheReforge profile was calibrated for {profile.num_layers} layers, this model "
                              f"has {self.num_layers}: run `kvmemory calibrate` for this model")
         return policy
@@ -312,15 +310,18 @@ class ReforgeState:
         reanchored, invalid = self._reanchor_unchanged(current)
         start = self.boundaries.valid_start(invalid[0], current, rows) if invalid else self.num_layers
         account = self._account(policy, invalid, current)
-        decision = decide(policy, self.anchors.distances(current), invalid, start,
-                          self.config.profile, self.config.window, account)
         incomparable = self.anchors.incomparable(current, invalid)
-        if policy != "stale":  # the stale baseline reuses everything on purpose (reported stale)
-            decision = _covering(decision, incomparable)
-        if account is not None:  # exact-recompute widening is charged too
-            account.charge(decision.layers)
-        if decision.action != "reuse":
-            self._execute(view, out, decision.start, decision.end, current)
+        if policy == "probed":
+            decision = self._probed(view, out, invalid, start, incomparable, current, account)
+        else:
+            decision = decide(policy, self.anchors.distances(current), invalid, start,
+                              self.config.profile, self.config.window, account)
+            if policy != "stale":  # the stale baseline reuses everything on purpose (reported stale)
+                decision = _covering(decision, incomparable)
+            if account is not None:  # exact-recompute widening is charged too
+                account.charge(decision.layers)
+            if decision.action != "reuse":
+                self._execute(view, out, decision.start, decision.end, current)
         t1 = time.perf_counter()
         if self.anchors.report(current).stale_layers:
             # rows produced partly by an older adapter: none equals a fresh prefill any more, so a
@@ -332,15 +333,72 @@ class ReforgeState:
         out.report.request_ms = (time.perf_counter() - t1) * 1000.0
         return out
 
+    def _open_account(self, policy: str) -> BudgetAccount | None:
+        """A fresh budget account for the scheduled / probed policy (None for the others)."""
+        profile = self.config.profile
+        if policy == "scheduled":
+            return BudgetAccount.open(self.config.budget_pct, self.num_layers, profile.scheduler.carry)
+        if policy == "probed":
+            return BudgetAccount.open(self.config.budget_pct, self.num_layers, profile.probe.carry)
+        return None
+
     def _account(self, policy: str, invalid: list[int], current: AdapterState) -> BudgetAccount | None:
-        """The scheduled policy's budget with this adapter version's allowance deposited (once)."""
-        if policy != "scheduled":
+        """The scheduled / probed policy's budget with this adapter version's allowance deposited (once)."""
+        if policy not in ("scheduled", "probed"):
             return None
         if self.account is None or self.account.budget_pct != self.config.budget_pct:
-            self.account = BudgetAccount.open(self.config.budget_pct, self.num_layers, self.config.profile.scheduler.carry)
+            self.account = self._open_account(policy)
         if invalid:
             self.account.deposit(current.digest)
         return self.account
+
+    def _probed(self, view: CacheView, out: Maintained, invalid: list[int], start: int, incomparable: list[int],
+                current: AdapterState, account: BudgetAccount) -> Decision:
+        """The probed policy (:mod:`kvmemory.reforge.probe`): execute ``[start, b)`` one layer at a
+        time from the boundary state, probing layer b's K/V on the last ``rows`` cached rows
+        before the last one, while the deviation reaches τ_b and the account covers it. Layers
+        with incomparable anchors are recomputed whatever the deviation or the budget. Where rows
+        cannot be overwritten in place, every layer is re-prefilled instead (exact)."""
+        n = self.num_layers
+        distances = self.anchors.distances(current)
+        r_kv = invalid[0] if invalid else n
+        forced = 1 + max(incomparable) if incomparable else None
+        if not invalid:
+            return Decision("probed", r_kv, start, None, [], distances, [0.0] * n)
+        if cache_unsupported_reason(out.cache) or view.row_reuse_reason:
+            account.charge(n - start)
+            self._execute(view, out, start, n, current)  # re-prefills and reports why
+            return Decision("probed", r_kv, start, n, list(invalid), distances, [0.0] * n)
+        ids = torch.tensor(view.token_ids, dtype=torch.long)
+        rows = ids.shape[0]
+        calibration = self.config.profile.probe
+        hi = rows - 1  # the last row is recomputed for the request anyway
+        lo = max(0, hi - calibration.rows) if calibration.rows else 0
+        run = _IncrementalRun(self.model, embed(self.model, ids) if start == 0
+                              else self.boundaries.states[start].hidden[:, :rows], start, self.boundaries.layers)
+        cached = kvcache.layer_tensors(out.cache)
+        positions = torch.arange(lo, hi)
+
+        def probe(layer: int) -> float:
+            run.advance(layer)
+            fresh = layer_kv(self.model, layer, run.hidden[:, lo:hi], positions)
+            keys, values = cached[layer]
+            return relative_deviation(fresh, (keys[:, :, lo:hi], values[:, :, lo:hi]))
+
+        cost = probe_cost(self.model.config, hi - lo, hi) if hi > lo else 0.0  # share of a layer over the prefix
+        plan = extend_while_stale(start, n, probe if hi > lo else (lambda layer: math.inf), calibration, account,
+                                  cost, r_kv=r_kv, forced_end=forced)
+        account.charge(plan.charged)
+        if plan.end is not None:
+            run.advance(plan.end)
+            overwrite_layers(out.cache, run.result())
+            self.anchors.set(range(start, plan.end), current)
+            for layer, h in run.boundaries.items():
+                self.boundaries.write(layer, h, current)
+        triggered = [layer for layer, dev in plan.deviations.items() if plan.end is not None and layer < plan.end]
+        wasted = plan.executed - ((plan.end or start) - start)  # valid layers run only to reach a probe
+        return Decision("probed", r_kv, start, plan.end, triggered, distances, [0.0] * n,
+                        probe_layers=plan.probe_layers + wasted, deviations=plan.deviations)
 
     def _reanchor_unchanged(self, current: AdapterState) -> tuple[list[int], list[int]]:
         """Layers whose K/V the change cannot reach keep their rows and take the new anchor."""
@@ -419,7 +477,7 @@ class ReforgeState:
             end=decision.end if decision and action != "reuse" else None,
             r_kv=decision.r_kv if decision else self.num_layers,
             rows=rows,
-            recompute_pct=100.0 * (decision.layers if decision else 0) / self.num_layers,
+            recompute_pct=100.0 * ((decision.layers + decision.probe_layers) if decision else 0) / self.num_layers,
             triggered=decision.triggered if decision else [],
             reanchored=reanchored,
             incomparable=list(incomparable),
@@ -427,8 +485,10 @@ class ReforgeState:
             mixed=versions.mixed,
             ms=(time.perf_counter() - t0) * 1000.0,
             fallback=self._fallback,
-            budget=self.account.as_dict() if self.account is not None and policy == "scheduled" else None,
+            budget=self.account.as_dict() if self.account is not None and policy in ("scheduled", "probed") else None,
             predicted_kl=decision.predicted_kl if decision else None,
+            probes={"count": len(decision.deviations), "layers": decision.probe_layers,
+                    "deviations": dict(decision.deviations)} if decision and decision.deviations is not None else None,
         )
         self._fallback = None
         notes = []
@@ -445,6 +505,43 @@ class ReforgeState:
             log.info("kvmemory: cache layers %s still hold an older adapter version", versions.stale_layers)
         self.last_report = report
         return report
+
+
+def _check_calibration(policy: str, profile: ReforgeProfile | None) -> None:
+    """Raise ValueError naming the fix when ``policy`` lacks the calibration it needs."""
+    if policy in ("cachereforge", "drift_only", "scheduled", "probed") and profile is None:
+        raise ValueError(f"CacheReforge policy {policy!r} needs a calibration profile: run `kvmemory calibrate`")
+    if policy == "scheduled" and profile.scheduler is None:
+        raise ValueError("policy 'scheduled' needs a profile with a scheduler calibration: run "
+                         "`kvmemory calibrate --schedule 5` (or use policy 'cachereforge', eq. 9)")
+    if policy == "probed" and profile.probe is None:
+        raise ValueError("policy 'probed' needs a profile with a probe calibration (ReforgeProfile.probe, fitted by "
+                         "kvmemory_lab.reforge.probe_fit), or use policy 'cachereforge' (eq. 9)")
+
+
+class _IncrementalRun:
+    """Bounded recovery executed a few layers at a time (the probed policy extends ``[start, b)``
+    after each probe): the state entering the next unexecuted layer, every executed layer's K/V
+    and the retained boundary states crossed."""
+
+    def __init__(self, model, hidden: torch.Tensor, start: int, boundary_layers):
+        self.model, self.hidden, self.done = model, hidden, start
+        self.boundary_layers = tuple(boundary_layers)
+        self.kv: dict = {}
+        self.boundaries: dict = {}
+
+    def advance(self, end: int) -> None:
+        """Execute layers ``[done, end)`` over every row (no-op when already there)."""
+        if end <= self.done:
+            return
+        keep = [b for b in self.boundary_layers if self.done < b <= end]
+        run = run_layers(self.model, self.hidden, self.done, end, keep_boundaries=keep)
+        self.kv.update(run.kv)
+        self.boundaries.update(run.boundaries)
+        self.hidden, self.done = run.hidden, end
+
+    def result(self) -> LayerRun:
+        return LayerRun(self.kv, self.boundaries, self.hidden)
 
 
 def _covering(decision: Decision, layers: list[int]) -> Decision:

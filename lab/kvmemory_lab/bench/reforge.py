@@ -3,8 +3,9 @@
 Consecutive middle value-projection updates (rank-8 LoRA, Adam step 1e-2, answer-supervised on
 disjoint training items) while held-out HotpotQA / 2Wiki prompts keep live caches. Per update,
 each method maintains its cache: fresh full (Re-prefill), exact affected suffix, stale reuse,
-CacheReforge (eq. 9), the budgeted scheduler (``scheduled``, when the profile carries a scheduler
-calibration), drift-only and fixed-window (2 layers). Reported: first-token KL to fresh, top-1
+CacheReforge (eq. 9), the budgeted drift scheduler (``scheduled``, when the profile carries a
+scheduler calibration), the K/V-probed policy (``probed``, when it carries a probe calibration;
+probes counted in its recomputed layers and maintenance time), drift-only and fixed-window (2 layers). Reported: first-token KL to fresh, top-1
 agreement, task score (token F1 of a short greedy answer), recomputed-layer %, and
 cache-maintenance time (summed over a trajectory, averaged across trajectories; S2.1).
 """
@@ -20,8 +21,8 @@ from tqdm import tqdm
 
 from .common import agg_pyplot
 
-METHODS = ("fresh", "exact_suffix", "stale", "cachereforge", "scheduled", "drift_only", "fixed_window")
-TARGETED = ("cachereforge", "scheduled")  # methods checked against the targets
+METHODS = ("fresh", "exact_suffix", "stale", "cachereforge", "scheduled", "probed", "drift_only", "fixed_window")
+TARGETED = ("cachereforge", "scheduled", "probed")  # methods checked against the targets
 EVAL_SEED = 7  # the paper's first held-out seed
 
 
@@ -35,8 +36,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--score-every", type=int, default=None, help="task score every k versions (default 16; quick 2)")
     parser.add_argument("--profile", type=Path, default=None, help="use this calibration profile instead of calibrating")
     parser.add_argument("--budget", type=float, default=None,
-                        help="recompute budget of the scheduled method (%% of layers per update; default: the "
-                        "budget its scheduler was fitted for)")
+                        help="recompute budget of the scheduled / probed methods (%% of layers per update; default: "
+                        "the budget each was fitted for)")
     parser.add_argument("--risk-scales", default="",
                         help="also run CacheReforge with sensitivities × alpha for each alpha (comma list, e.g. "
                              "0.5,0.7,1.4,2): the recomputed-layers vs KL frontier of the same calibration")
@@ -83,7 +84,8 @@ def evaluate(w, args, profile, updates: int, n_samples: int, score_every: int) -
     with tqdm(total=updates, desc="evaluation updates") as bar:
         versions = update_trajectory(w.model, w.tokenizer, train, updates, args.magnitude, EVAL_SEED, bar)
     scales = risk_scales(args.risk_scales)
-    methods = METHODS if profile.scheduler is not None else tuple(m for m in METHODS if m != "scheduled")
+    methods = tuple(m for m in METHODS if (m != "scheduled" or profile.scheduler is not None)
+                    and (m != "probed" or profile.probe is not None))
     names = methods + tuple(_scaled_name(a) for a in scales)
     per_method = {m: {"kl": [], "top1": [], "score": [], "recompute": [], "maint": [], "request": [], "actions": []}
                   for m in names}
@@ -92,7 +94,7 @@ def evaluate(w, args, profile, updates: int, n_samples: int, score_every: int) -
     with tqdm(total=len(held_out) * updates, desc="held-out versions") as bar:
         for sample in held_out:
             sessions = _start_sessions(w, profile, sample, versions[0], load_snapshot, scales, methods,
-                                       _budget(args, profile))
+                                       {m: _budget(args, profile, m) for m in ("scheduled", "probed")})
             prompt_tokens.append(len(sessions["stale"].token_ids))
             traj = {m: {"kl": [], "top1": [], "score": [], "recompute": [], "maint": 0.0, "request": 0.0, "actions": []}
                     for m in names}
@@ -141,14 +143,17 @@ def _scaled_name(alpha: float) -> str:
     return f"cachereforge_x{alpha:g}"
 
 
-def _budget(args, profile) -> float:
+def _budget(args, profile, method: str = "scheduled") -> float:
+    """``--budget``, else the budget the method's calibration was fitted for, else 5 %."""
     if getattr(args, "budget", None) is not None:
         return args.budget
-    fit = profile.scheduler.fit if profile.scheduler is not None else None
+    calibration = profile.scheduler if method == "scheduled" else profile.probe
+    fit = calibration.fit if calibration is not None else None
     return float(fit["budget_pct"]) if fit and "budget_pct" in fit else 5.0
 
 
-def _start_sessions(w, profile, sample, v0, load_snapshot, scales=(), methods=METHODS, budget: float = 5.0) -> dict:
+def _start_sessions(w, profile, sample, v0, load_snapshot, scales=(), methods=METHODS,
+                    budgets: dict | None = None) -> dict:
     from kvmemory.reforge.state import ReforgeConfig
     from kvmemory.session import KVSession
 
@@ -158,7 +163,7 @@ def _start_sessions(w, profile, sample, v0, load_snapshot, scales=(), methods=ME
     sessions = {}
     for m in methods[1:]:
         s = base.fork()
-        s.reforge.config = ReforgeConfig(policy=m, profile=profile, budget_pct=budget)
+        s.reforge.config = ReforgeConfig(policy=m, profile=profile, budget_pct=(budgets or {}).get(m, 5.0))
         sessions[m] = s
     for alpha in scales:
         s = base.fork()
@@ -254,11 +259,13 @@ def _summary(w, args, profile, per_method, certs, horizon, updates, held_out, pr
         "targets": targets["cachereforge"],
         "targets_by_method": targets,
         "budget_pct": _budget(args, profile) if "scheduled" in methods else None,
+        "probe_budget_pct": _budget(args, profile, "probed") if "probed" in methods else None,
         "risk_scale_sweep": sweep if len(sweep) > 1 else [],
         "certificates": certs,
         "horizons": horizon,
         "profile": {"sensitivity": profile.sensitivity, "drift_threshold": profile.drift_threshold,
                     "scheduler": profile.scheduler.model_dump(exclude={"fit"}) if profile.scheduler else None,
+                    "probe": profile.probe.model_dump(exclude={"fit"}) if profile.probe else None,
                     "conditions": len(profile.conditions), "key": profile.key.model_dump()},
     }
 
@@ -302,6 +309,9 @@ def markdown(r: dict) -> str:
         lines.append("")
     if r.get("budget_pct") is not None:
         lines += [f"scheduled: budget {r['budget_pct']:g} % of layers per update (running account: never exceeded except by exact recomputation of incomparable anchors).", ""]
+    if r.get("probe_budget_pct") is not None:
+        lines += [f"probed: budget {r['probe_budget_pct']:g} % of layers per update, K/V probes included in its "
+                  "recomputed layers and maintenance time.", ""]
     lines += [
         *sweep_lines(r.get("risk_scale_sweep", [])),
         f"Certificates on the stale caches at the last version: {r['certificates']}.",

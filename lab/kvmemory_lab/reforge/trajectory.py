@@ -28,6 +28,7 @@ import torch
 
 from kvmemory import kvcache
 from kvmemory.executors.sequential import forward_rows
+from kvmemory.reforge.probe import ProbeCalibration, extend_while_stale, probe_cost
 from kvmemory.reforge.profile import ReforgeProfile
 from kvmemory.reforge.recovery import decoder_of, run_layers
 from kvmemory.reforge.restart import restart_layers
@@ -157,10 +158,11 @@ def _prompt_versions(model, ids, snapshots, load_version, restart, progress) -> 
 
 @dataclass
 class ReplayResult:
-    """Mean first-token KL to fresh, top-1 agreement (%) and mean recomputed layers (% of N)
-    over every (prompt, update) of the banks; ``actions`` counts reuse / bounded / full_suffix
-    decisions; ``ends[bank][prompt][t - 1]`` the range end chosen at update t (None: reuse);
-    ``kls`` the per-state KLs in the same order (bank, update, prompt)."""
+    """Mean first-token KL to fresh, top-1 agreement (%) and mean recomputed layers (% of N,
+    probes included at their layer share) over every (prompt, update) of the banks; ``actions``
+    counts reuse / bounded / full_suffix decisions; ``ends[bank][prompt][t - 1]`` the range end
+    chosen at update t (None: reuse); ``kls`` the per-state KLs in the same order (bank, update,
+    prompt); ``probe_pct`` the probes' part of ``recompute_pct``."""
 
     kl: float
     recompute_pct: float
@@ -168,15 +170,18 @@ class ReplayResult:
     top1: float = 0.0
     ends: list = field(default_factory=list)
     kls: list = field(default_factory=list)
+    probe_pct: float = 0.0
 
 
 @dataclass(frozen=True)
 class ReplayPolicy:
     """A policy :meth:`PolicyReplay.evaluate` replays: ``policy`` as in ``runtime.decide``
-    (cachereforge, scheduled, drift_only, fixed_window, exact_suffix) or ``oracle`` (the
-    scheduler's budget rule choosing by the *exact* KL of every candidate range: an upper
-    reference for any KL predictor, not a runtime policy); ``budget_pct`` for scheduled / oracle;
-    ``price`` λ of the oracle (KL per layer); ``carry`` its savings cap (updates)."""
+    (cachereforge, scheduled, drift_only, fixed_window, exact_suffix), ``probed``
+    (:mod:`kvmemory.reforge.probe` with ``probe``'s thresholds; probe values read exactly from
+    the bank) or ``oracle`` (the scheduler's budget rule choosing by the *exact* KL of every
+    candidate range: an upper reference for any KL predictor, not a runtime policy);
+    ``budget_pct`` for scheduled / probed / oracle; ``price`` λ of the oracle (KL per layer);
+    ``carry`` its savings cap (updates)."""
 
     policy: str
     profile: ReforgeProfile | None = None
@@ -184,10 +189,13 @@ class ReplayPolicy:
     window: int = 2
     price: float = 0.0
     carry: float = 16.0
+    probe: ProbeCalibration | None = None
 
     def account(self, num_layers: int):
         if self.policy == "scheduled":
             return BudgetAccount.open(self.budget_pct, num_layers, self.profile.scheduler.carry)
+        if self.policy == "probed":
+            return BudgetAccount.open(self.budget_pct, num_layers, self.probe.carry)
         if self.policy == "oracle":
             return BudgetAccount.open(self.budget_pct, num_layers, self.carry)
         return None
@@ -205,7 +213,31 @@ class PolicyReplay:
         self.model, self.banks, self.load_version, self.max_batch = model, banks, load_version, max_batch
         self._kl: dict[tuple, float] = {}
         self._top1: dict[tuple, bool] = {}
+        self._probe_tables: dict[tuple[int, int], torch.Tensor] = {}
         self.forwards = 0
+
+    def probe_values(self, b: int, rows: int) -> torch.Tensor:
+        """``dev[i, j, t, a]`` of bank ``b`` for probes of the last ``rows`` cache rows (0: all),
+        computed once (:func:`kvmemory_lab.reforge.probe_fit.probe_table`)."""
+        from .probe_fit import probe_table
+
+        if (b, rows) not in self._probe_tables:
+            self._probe_tables[b, rows] = probe_table(self.banks[b], rows or None)
+        return self._probe_tables[b, rows]
+
+    def save_memo(self, path, b: int = 0) -> None:
+        """Write the measured KL / top-1 of bank ``b``'s states to ``path`` (a later replay of the
+        same bank loads them with :meth:`load_memo` instead of re-running the forwards)."""
+        memo = {k[1:]: (v, self._top1[k]) for k, v in self._kl.items() if k[0] == b}
+        torch.save(memo, path)
+
+    def load_memo(self, path, b: int = 0) -> int:
+        """Read states written by :meth:`save_memo` for bank ``b``; returns how many."""
+        memo = torch.load(path, weights_only=False)
+        for k, (kl, top) in memo.items():
+            self._kl[(b, *k)] = kl
+            self._top1[(b, *k)] = top
+        return len(memo)
 
     def evaluate(self, profiles: list) -> list[ReplayResult]:
         """One :class:`ReplayResult` per entry: None (stale reuse, nothing recomputed), a
@@ -215,6 +247,7 @@ class PolicyReplay:
         kls = [[] for _ in policies]
         tops = [[] for _ in policies]
         recs = [[] for _ in policies]
+        probes = [[] for _ in policies]
         ends = [[] for _ in policies]
         actions = [{"reuse": 0, "bounded": 0, "full_suffix": 0} for _ in policies]
         for b, bank in enumerate(self.banks):
@@ -232,8 +265,10 @@ class PolicyReplay:
                 keys = [[None] * len(bank.prompts) for _ in policies]
                 for c, policy in enumerate(policies):
                     for i in range(len(bank.prompts)):
-                        layers, action, end = self._step(b, i, bank, t, anchors[c][i], policy, accounts[c][i])
-                        recs[c].append(100.0 * layers / bank.num_layers)
+                        layers, action, end, probed = self._step(b, i, bank, t, anchors[c][i], policy,
+                                                                 accounts[c][i])
+                        recs[c].append(100.0 * (layers + probed) / bank.num_layers)
+                        probes[c].append(100.0 * probed / bank.num_layers)
                         actions[c][action] += 1
                         ends[c][b][i].append(end)
                         keys[c][i] = (b, i, t, tuple(anchors[c][i]))
@@ -242,8 +277,9 @@ class PolicyReplay:
                     kls[c] += [self._kl[k] for k in keys[c]]
                     tops[c] += [self._top1[k] for k in keys[c]]
             self.load_version(self.model, bank.snapshots[0])  # _fill switched versions
-        return [ReplayResult(statistics.fmean(k), statistics.fmean(r), a, 100.0 * statistics.fmean(tp), e, k)
-                for k, r, a, tp, e in zip(kls, recs, actions, tops, ends)]
+        return [ReplayResult(statistics.fmean(k), statistics.fmean(r), a, 100.0 * statistics.fmean(tp), e, k,
+                             statistics.fmean(pr))
+                for k, r, a, tp, e, pr in zip(kls, recs, actions, tops, ends, probes)]
 
     @staticmethod
     def _candidates(b: int, i: int, t: int, anchor: list[int], bank: TrajectoryBank) -> list[tuple]:
@@ -253,18 +289,28 @@ class PolicyReplay:
 
     def _step(self, b: int, i: int, bank: TrajectoryBank, t: int, anchor: list[int], policy, account):
         """Apply the policy's decision at version t to ``anchor`` (in place); returns the executed
-        layers, the action and the range end (None: reuse)."""
+        layers, the action, the range end (None: reuse) and the probes' cost (layers)."""
         if policy is None:
-            return 0, "reuse", None
+            return 0, "reuse", None, 0.0
         r = bank.restart
         distances = [0.0] * bank.num_layers
         for j, a in enumerate(anchor):
             distances[r + j] = float(bank.distances[t, a])
         if account is not None:
             account.deposit()
+        probed = 0.0
         if policy.policy == "oracle":
             end = self._oracle_end(b, i, t, anchor, bank, policy, account)
             decision = Decision("oracle", bank.invalid[0], r, end, [], distances, [0.0] * bank.num_layers)
+        elif policy.policy == "probed":
+            table = self.probe_values(b, policy.probe.rows)[i]
+            rows = bank.prompts[i].token_ids.shape[0] - 1
+            cost = probe_cost(self.model.config, policy.probe.rows or rows, rows)
+            plan = extend_while_stale(r, bank.num_layers, lambda layer: float(table[layer - r, t, anchor[layer - r]]),
+                                      policy.probe, account, cost, r_kv=bank.invalid[0])
+            probed = plan.charged - (0 if plan.end is None else plan.end - r)  # probes + layers run only to probe
+            account.charge(probed)
+            decision = Decision("probed", bank.invalid[0], r, plan.end, [], distances, [0.0] * bank.num_layers)
         else:
             decision = decide(policy.policy, distances, bank.invalid, r, policy.profile, policy.window, account)
         if account is not None:
@@ -272,7 +318,7 @@ class PolicyReplay:
         if decision.action != "reuse":
             for layer in range(decision.start, decision.end):
                 anchor[layer - r] = t
-        return decision.layers, decision.action, decision.end if decision.action != "reuse" else None
+        return decision.layers, decision.action, decision.end if decision.action != "reuse" else None, probed
 
     def _oracle_end(self, b, i, t, anchor, bank, policy: ReplayPolicy, account) -> int | None:
         r = bank.restart
