@@ -11,6 +11,7 @@ from kvmemory.engine.buffers import CacheBuffers
 from kvmemory.engine.llama import DENSE_FROM_ROWS
 from kvmemory.engine.quantized import Q4Linear, Q8Linear
 from kvmemory.errors import EngineUnsupportedError
+from kvmemory.executors.packed import run_packed
 from kvmemory.executors.sequential import forward_rows
 from kvmemory.models import embedded_gguf_path
 from support import QUERY, history, reprefill_logits, tiny_model, without
@@ -391,3 +392,25 @@ def test_a_deletion_repair_hands_its_rows_to_the_next_answer_without_a_copy(real
     session.generate(3)
     assert kvcache.layer_tensors(session.cache)[0][0].data_ptr() == repaired
     session.check_invariants()
+
+
+def test_a_short_packed_refresh_runs_on_the_blocks_like_the_dense_weights(real):
+    """A refresh of fewer than DENSE_FROM_ROWS rows multiplies on the engine's blocks (bytes bound
+    it): the same rows and logits as the model's dense modules up to fp32 summation order."""
+    session = KVSession(real.model, real.tokenizer)
+    session.prepare(history() + [QUERY])
+    ids = torch.tensor(session.token_ids)
+    positions = [5, 6, 7, 40, 41, 90, len(session.token_ids) - 1]
+    assert engine.block_linears(real.model, session.cache, len(positions)) is not None
+    assert engine.block_linears(real.model, session.cache, DENSE_FROM_ROWS) is None
+    on_blocks, fast = run_packed(real.model, session.cache, ids, positions)
+    engine.attach(real.model, embedded_gguf_path(), "transformers")
+    try:
+        dense, slow = run_packed(real.model, session.cache, ids, positions)
+    finally:
+        engine.attach(real.model, embedded_gguf_path(), "q4_1")
+    torch.testing.assert_close(fast.next_logits, slow.next_logits, atol=LOGITS_ATOL, rtol=0)
+    assert not torch.equal(fast.next_logits, slow.next_logits)  # another code path did run
+    for (k, v), (k2, v2) in zip(kvcache.layer_tensors(on_blocks), kvcache.layer_tensors(dense)):
+        torch.testing.assert_close(k, k2, atol=ROWS_ATOL, rtol=0)
+        torch.testing.assert_close(v, v2, atol=ROWS_ATOL, rtol=0)

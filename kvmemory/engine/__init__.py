@@ -32,7 +32,7 @@ import torch
 from .. import kvcache
 from .buffers import plain_layers
 from ..errors import EngineUnsupportedError, InputError
-from .llama import QuantizedLlama, _Layer
+from .llama import DENSE_FROM_ROWS, QuantizedLlama, _Layer
 from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_gguf_blocks  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,18 @@ def gather_rows(model, cache, rows: torch.Tensor):
     if engine is None:
         return kvcache.gather_rows(cache, rows)
     return engine.gather_rows(cache, rows)
+
+
+def block_linears(model, cache, rows: int):
+    """The attached engine's linears on its GGUF blocks (:meth:`QuantizedLlama.block_linears`) for
+    a computation of ``rows`` new rows over ``cache``, when the engine computes ``model``'s rows
+    and would run such an input on its blocks (fewer than ``DENSE_FROM_ROWS`` rows: weight bytes
+    bound it, and the blocks are 1/5 of the dense weights' bytes); None otherwise (use the model's
+    own modules). Same products as the dense weights up to fp32 summation order."""
+    engine = engine_for(model, cache)
+    if engine is None or rows >= DENSE_FROM_ROWS:
+        return None
+    return engine.block_linears()
 
 
 def unusable_reason(engine: QuantizedLlama) -> str | None:

@@ -33,6 +33,14 @@ DENSE_FROM_ROWS = 24  # inputs of this many rows or more use the dense fp32 weig
 
 
 @dataclass
+class BlockLinears:
+    """See :meth:`QuantizedLlama.block_linears`."""
+
+    layers: list  # per layer (qkv, o, gate_up, down)
+    head: object
+
+
+@dataclass
 class _Layer:
     qkv: Q4Linear  # fused q, k, v rows (transformers' row order)
     o: Q4Linear
@@ -98,6 +106,17 @@ class QuantizedLlama:
                 if module._parameters.get(attr) is not param or param._version != version:
                     return "a model weight was modified in place after the engine was built"
         return None
+
+    def block_linears(self) -> "BlockLinears":
+        """This engine's linears on its blocks, as :meth:`forward_rows` runs them for short inputs
+        (the engine's int8 setting included): per layer ``(qkv, o, gate_up, down)`` and the head,
+        each a callable fp32 ``[m, in] -> [m, out]`` (q, k, v and gate, up fused in the model's
+        row order)."""
+        def bound(blocks):
+            return lambda x: blocks(x, int8=self.int8)
+
+        layers = [(bound(l.qkv), bound(l.o), bound(l.gate_up), bound(l.down)) for l in self.layers]
+        return BlockLinears(layers, bound(self.head))
 
     def gather_rows(self, cache, rows: torch.Tensor):
         """:func:`kvmemory.kvcache.gather_rows` into this engine's capacity-backed storage: a new

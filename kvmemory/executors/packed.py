@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from .. import kvcache
+from ..engine import block_linears
 from ..errors import PackedUnsupportedError
 from ..capabilities import packed_unsupported_reason
 from .sequential import ForwardResult, check_positions, grow_to
@@ -83,32 +84,49 @@ def run_packed(
     target = cache if in_place else kvcache.from_tensors(kvcache.layer_tensors(cache))
     grow_to(target, n)
     pos = positions.to(weight.device)
-    hidden = _packed_hidden_states(model, target, token_ids.to(weight.device)[pos][None], pos, attend, write)
+    # a few rows: the engine's blocks (1/5 of the dense weights' bytes, which bound such a refresh)
+    blocks = block_linears(model, target, int(positions.numel())) if backend == "sdpa" else None
+    hidden = _packed_hidden_states(model, target, token_ids.to(weight.device)[pos][None], pos, attend, write, blocks)
     logits = None
     if int(positions[-1]) == n - 1:
         decoder = model.get_decoder()
         with torch.no_grad():  # an autograd graph here would also leak into callers' logits
-            logits = model.get_output_embeddings()(decoder.norm(hidden[:, -1:]))[0, -1].float()
+            last = decoder.norm(hidden[:, -1:])
+            head = blocks.head if blocks is not None else model.get_output_embeddings()
+            logits = head(last[0])[-1].float() if blocks is not None else head(last)[0, -1].float()
     return target, ForwardResult(next_logits=logits, forwarded_tokens=int(positions.numel()))
 
 
-def _packed_hidden_states(model, cache: DynamicCache, ids: torch.Tensor, pos: torch.Tensor, attend, write):
+def _packed_hidden_states(model, cache: DynamicCache, ids: torch.Tensor, pos: torch.Tensor, attend, write, blocks=None):
     """The B-row hidden-state buffer ``[1, B, hidden]`` after the last layer (before the final norm);
-    every layer's fresh K/V are written into ``cache`` on the way."""
+    every layer's fresh K/V are written into ``cache`` on the way. ``blocks``: the engine's block
+    linears (:func:`kvmemory.engine.block_linears`) used instead of the modules' dense weights."""
     decoder = model.get_decoder()
     plain_mlps = [is_plain_mlp(layer.mlp) for layer in decoder.layers]  # checked once, not per layer call
     with torch.no_grad():
         hidden = model.get_input_embeddings()(ids)
         cos, sin = decoder.rotary_emb(hidden, position_ids=pos[None])
-        for layer, cache_layer, plain_mlp in zip(decoder.layers, cache.layers, plain_mlps):
+        for i, (layer, cache_layer, plain_mlp) in enumerate(zip(decoder.layers, cache.layers, plain_mlps)):
+            linears = blocks.layers[i] if blocks is not None else None
             attn = layer.self_attn
-            q, k, v = _fresh_qkv(attn, layer.input_layernorm(hidden), cos, sin)
+            q, k, v = _fresh_qkv(attn, layer.input_layernorm(hidden), cos, sin, linears[0] if linears else None)
             write(cache_layer.keys, cache_layer.values, k, v)
             out = attend(q, cache_layer.keys, cache_layer.values, _scaling(attn, q.shape[-1]))
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(*hidden.shape[:2], -1))
+            out = out.transpose(1, 2).reshape(*hidden.shape[:2], -1)
+            hidden = hidden + (linears[1](out[0])[None] if linears else attn.o_proj(out))
             mlp_in = layer.post_attention_layernorm(hidden)
-            hidden = hidden + (_gated_mlp_by_columns(layer.mlp, mlp_in) if plain_mlp else layer.mlp(mlp_in))
+            if linears:
+                hidden = hidden + _gated_mlp_on_blocks(layer.mlp, linears[2], linears[3], mlp_in)
+            else:
+                hidden = hidden + (_gated_mlp_by_columns(layer.mlp, mlp_in) if plain_mlp else layer.mlp(mlp_in))
     return hidden
+
+
+def _gated_mlp_on_blocks(mlp, gate_up, down, x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP of ``x`` ``[1, B, hidden]`` with the engine's fused gate/up and down block
+    linears and the module's activation."""
+    gate, up = gate_up(x[0]).split(mlp.gate_proj.out_features, dim=-1)
+    return down(mlp.act_fn(gate) * up)[None]
 
 
 def is_plain_mlp(mlp) -> bool:
@@ -141,14 +159,19 @@ def _gated_mlp_by_columns(mlp, x: torch.Tensor) -> torch.Tensor:
 COLUMNS_FROM_ROWS = 64  # packed rows from which the MLP runs as W @ x^T (measured, SmolLM2-135M, MKL)
 
 
-def _fresh_qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def _fresh_qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv=None):
     """Fresh Q ``[1, H_q, B, d]`` and K/V ``[1, H_kv, B, d]`` of the packed rows with the attention
-    module's own projections, optional q/k norms (Qwen3) and its family's apply_rotary_pos_emb."""
+    module's own projections (or ``qkv``, the engine's fused block linear), optional q/k norms
+    (Qwen3) and its family's apply_rotary_pos_emb."""
     shape = (*x.shape[:2], -1, attn.head_dim)
-    q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+    if qkv is not None:
+        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        q, k, v = (t[None].view(shape) for t in qkv(x[0]).split(sizes, dim=-1))
+    else:
+        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    v = v.transpose(1, 2)
     rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
     q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     return q, k, v
