@@ -25,6 +25,17 @@ def real():
     return load_model()
 
 
+@pytest.fixture(scope="module")
+def real_lora(real):
+    """The embedded model with a rank-8 LoRA on v_proj of layer 15 (the RQ4 workload's adapter),
+    unloaded after the module so the shared model is plain again."""
+    from kvmemory_lab.reforge.workload import attach_lora
+
+    model, _, _ = attach_lora(real.model, "v_proj", 15, 8, 16)
+    yield model
+    model.unload()
+
+
 @pytest.fixture(scope="session")
 def tokenizer(real):
     return real.tokenizer

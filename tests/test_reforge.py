@@ -41,6 +41,14 @@ def nudge(model, layer: int, module: str, scale: float = 0.5, seed: int = 1):
                 p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
+def calibrated_profile(num_layers: int, **calibration) -> ReforgeProfile:
+    """A profile without eq. 9 sensitivities for the policies beyond the paper: pass ``probe=`` or
+    ``scheduler=`` (or nothing, for a profile that lacks the policy's calibration)."""
+    key = ProfileKey(model="m", update_target="v_proj@2", adapter_config="a", context_regime="c")
+    return ReforgeProfile(key=key, num_layers=num_layers, sensitivity=[0.0] * num_layers, delta=[None] * num_layers,
+                          drift_threshold=None, thresholds={}, **calibration)
+
+
 def fresh_logits(model, tokenizer, msgs):
     s = KVSession(model, tokenizer, "reprefill")
     s.prepare(msgs)

@@ -14,22 +14,19 @@ from kvmemory import kvcache
 from kvmemory.divergence import first_token_kl
 from kvmemory.reforge import ReforgeConfig, decide
 from kvmemory.reforge.probe import ProbeCalibration, extend_while_stale, layer_kv, probe_cost, relative_deviation
-from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
+from kvmemory.reforge.profile import ReforgeProfile
 from kvmemory.reforge.recovery import embed, run_layers
 from kvmemory.reforge.scheduler import BudgetAccount
 from kvmemory.session import KVSession
 from kvmemory.threads import CacheState, export_state, import_state
 from support import QUERY, history
-from test_reforge import LAYERS, MSGS, fresh_logits, lora_tiny, nudge
+from test_reforge import LAYERS, MSGS, calibrated_profile, fresh_logits, lora_tiny, nudge
 
 ATOL = 1e-4  # fp32: a maintained cache equals Re-prefill to rounding
 
 
 def _profile(num_layers: int, thresholds, rows: int = 8, carry: float = 8.0) -> ReforgeProfile:
-    key = ProfileKey(model="m", update_target="v_proj@2", adapter_config="a", context_regime="c")
-    return ReforgeProfile(key=key, num_layers=num_layers, sensitivity=[0.0] * num_layers, delta=[None] * num_layers,
-                          drift_threshold=None, thresholds={},
-                          probe=ProbeCalibration(thresholds=list(thresholds), rows=rows, carry=carry))
+    return calibrated_profile(num_layers, probe=ProbeCalibration(thresholds=list(thresholds), rows=rows, carry=carry))
 
 
 def _probed(budget_pct: float, tau: float = 0.0, rows: int = 8) -> ReforgeConfig:
@@ -194,9 +191,7 @@ def test_strict_erase_and_import_after_a_probed_update(tokenizer):
 
 def test_probed_needs_a_probe_calibration(tokenizer):
     pm = lora_tiny()
-    bare = ReforgeProfile(key=ProfileKey(model="m", update_target="u", adapter_config="a", context_regime="c"),
-                          num_layers=LAYERS, sensitivity=[0.0] * LAYERS, delta=[None] * LAYERS,
-                          drift_threshold=None, thresholds={})
+    bare = calibrated_profile(LAYERS)
     with pytest.raises(ValueError, match="probe calibration"):
         KVSession(pm, tokenizer, reforge=ReforgeConfig(policy="probed", profile=bare))
     with pytest.raises(ValueError, match="calibration profile"):
@@ -204,15 +199,6 @@ def test_probed_needs_a_probe_calibration(tokenizer):
 
 
 # --------------------------------------------------------------- real model
-@pytest.fixture(scope="module")
-def real_lora(real):
-    from kvmemory_lab.reforge.workload import attach_lora
-
-    model, _, _ = attach_lora(real.model, "v_proj", 15, 8, 16)
-    yield model
-    model.unload()
-
-
 @pytest.mark.real_model
 def test_real_model_probed_budget_probe_edit_and_import(real_lora, tokenizer):
     """SmolLM2 + rank-8 LoRA on v_proj@15 (restart 15 of 30 layers): at 5 % one update deposits

@@ -10,22 +10,19 @@ import torch
 from kvmemory import kvcache
 from kvmemory.divergence import first_token_kl
 from kvmemory.reforge import ReforgeConfig, decide
-from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
+from kvmemory.reforge.profile import ReforgeProfile
 from kvmemory_lab.reforge.schedule_fit import fit_tail_weights
 from kvmemory.reforge.scheduler import BudgetAccount, SchedulerCalibration, schedule
 from kvmemory.session import KVSession
 from kvmemory.threads import CacheState, export_state, import_state
 from support import QUERY, history
-from test_reforge import LAYERS, MSGS, fresh_logits, lora_tiny, nudge
+from test_reforge import LAYERS, MSGS, calibrated_profile, fresh_logits, lora_tiny, nudge
 
 ATOL = 1e-4  # fp32: a maintained cache equals Re-prefill to rounding
 
 
 def _profile(num_layers: int, weights, price: float = 0.0, carry: float = 16.0, rule: str = "lagrangian") -> ReforgeProfile:
-    key = ProfileKey(model="m", update_target="v_proj@2", adapter_config="a", context_regime="c")
-    return ReforgeProfile(key=key, num_layers=num_layers, sensitivity=[0.0] * num_layers, delta=[None] * num_layers,
-                          drift_threshold=None, thresholds={},
-                          scheduler=SchedulerCalibration(weights=list(weights), price=price, carry=carry, rule=rule))
+    return calibrated_profile(num_layers, scheduler=SchedulerCalibration(weights=list(weights), price=price, carry=carry, rule=rule))
 
 
 def _scheduled(budget_pct: float, price: float = 0.0, weights=(0, 0, 1, 1, 1, 1)) -> ReforgeConfig:
@@ -172,9 +169,7 @@ def test_exported_mixed_cache_is_imported_with_its_layer_versions_and_recomputed
 
 def test_scheduled_needs_a_scheduler_calibration(tokenizer):
     pm = lora_tiny()
-    bare = ReforgeProfile(key=ProfileKey(model="m", update_target="u", adapter_config="a", context_regime="c"),
-                          num_layers=LAYERS, sensitivity=[0.0] * LAYERS, delta=[None] * LAYERS,
-                          drift_threshold=None, thresholds={})
+    bare = calibrated_profile(LAYERS)
     with pytest.raises(ValueError, match="scheduler calibration"):
         KVSession(pm, tokenizer, reforge=ReforgeConfig(policy="scheduled", profile=bare))
     with pytest.raises(ValueError, match="calibration profile"):
@@ -182,15 +177,6 @@ def test_scheduled_needs_a_scheduler_calibration(tokenizer):
 
 
 # --------------------------------------------------------------- real model
-@pytest.fixture(scope="module")
-def real_lora(real):
-    from kvmemory_lab.reforge.workload import attach_lora
-
-    model, _, _ = attach_lora(real.model, "v_proj", 15, 8, 16)
-    yield model
-    model.unload()
-
-
 @pytest.mark.real_model
 def test_real_model_scheduled_budget_mixed_cache_edit_and_import(real_lora, tokenizer):
     """SmolLM2 + rank-8 LoRA on v_proj@15 (restart 15 of 30 layers): at 5 % one update deposits

@@ -92,8 +92,10 @@ def run_packed(
         decoder = model.get_decoder()
         with torch.no_grad():  # an autograd graph here would also leak into callers' logits
             last = decoder.norm(hidden[:, -1:])
-            head = blocks.head if blocks is not None else model.get_output_embeddings()
-            logits = head(last[0])[-1].float() if blocks is not None else head(last)[0, -1].float()
+            if blocks is not None:
+                logits = blocks.head(last[0])[-1]
+            else:
+                logits = model.get_output_embeddings()(last)[0, -1].float()
     return target, ForwardResult(next_logits=logits, forwarded_tokens=int(positions.numel()))
 
 
