@@ -17,6 +17,7 @@ from .edits import common_prefix_length, plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
 from .engine import status as engine_status
 from .executors.sequential import forward_rows
+from .lookup import propose
 from .policy import RepairPolicy, RepairReport
 from .shift import RotaryShifter, ShiftUnsupportedError
 from .prompt import (
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 KEEP_TOOLS = object()  # prepare(tools=...) omitted: the session keeps its tools
 ANSWER_END_ROWS = 8  # rows an answer's end-of-turn text takes when committed (allocated with the answer)
+PROMPT_LOOKUP_TOKENS = 2  # draft tokens checked per greedy forward (kvmemory.lookup; measured in docs/engine.md)
 
 # transformers' LogitsProcessor convention: (input_ids [1, L], scores [1, vocab]) -> scores
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,6 +65,7 @@ class KVSession:
     def __init__(
         self, model, tokenizer, policy: RepairPolicy | str | None = None, *, tools: list | None = None,
         reforge: ReforgeConfig | None = None, cache_factory: Callable[[Any], Any] | None = None,
+        prompt_lookup: int = PROMPT_LOOKUP_TOKENS,
     ):
         """Args:
             model: a transformers causal LM (eval mode); tokenizer: its tokenizer, with a chat template.
@@ -73,13 +76,19 @@ class KVSession:
             cache_factory: ``config -> Cache`` for the empty cache (default: a DynamicCache laid
                 out for the config), e.g. ``lambda c: QuantizedCache("fp8", c)``. A cache whose
                 layers are not plain tensors is never spliced: edits re-prefill (reported).
+            prompt_lookup: greedy decoding checks up to this many draft tokens per forward,
+                copied from what followed the answer's last tokens earlier in the conversation
+                (:mod:`kvmemory.lookup`; the same answer, fewer forwards when the answer repeats
+                its context); 0 decodes one token per forward. Settable later.
 
         Raises:
             InputTypeError: ``model`` has no transformers config or ``tokenizer`` cannot render chats.
-            InputError: the tokenizer has no chat template (base models), or a bad policy label.
+            InputError: the tokenizer has no chat template (base models), or a bad policy label,
+                or ``prompt_lookup`` not an int >= 0.
             InputTypeError / InputError: malformed ``tools`` (see ``prompt.normalize_tools``).
         """
         _check_model_and_tokenizer(model, tokenizer)
+        self.prompt_lookup = _checked_lookup(prompt_lookup)
         self.model = model
         self.tokenizer = tokenizer
         self.cache_factory = cache_factory or kvcache.new_cache
@@ -123,6 +132,9 @@ class KVSession:
         self.stale_budget = 0.0
         self.rendered: RenderedPrompt | None = None
         self.next_logits: torch.Tensor | None = None
+        # while a stream is suspended: draft tokens whose rows follow the answered ids, and the
+        # logits after each of them ([k, vocab]); None otherwise
+        self._draft: tuple[list[int], torch.Tensor] | None = None
         # fp32 logits after the last cached row, keyed by _rows_key(): they survive an answer's end
         # (its end-of-turn token is never cached), so that an identical request needs no forward
         self._row_logits: tuple[tuple, torch.Tensor] | None = None
@@ -472,35 +484,78 @@ class KVSession:
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
         capacity = len(self.token_ids) + limit + ANSWER_END_ROWS
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
-        for _ in range(limit):
-            logits = self.next_logits
-            if logits_processor is not None:
-                logits = logits_processor(torch.tensor([self.token_ids]), logits[None].clone())[0]
-            token = _pick(logits, temperature, generator)
-            if token in stop_ids:
-                self.next_logits = None
-                return
-            try:
-                yield token  # leaves as soon as it is picked; its row is computed on resume or close
-            finally:
-                self._append_token(token, adapter, capacity)
+        drafting = temperature <= 0 and self.prompt_lookup > 0 and kvcache.croppable(self.cache)
+        self._draft = None
+        try:
+            for emitted in range(1, limit + 1):
+                logits = self.next_logits
+                if logits_processor is not None:
+                    logits = logits_processor(torch.tensor([self.token_ids]), logits[None].clone())[0]
+                token = _pick(logits, temperature, generator)
+                if token in stop_ids:
+                    self.next_logits = None
+                    return
+                try:
+                    yield token  # leaves as soon as it is picked; its row is computed on resume or close
+                except BaseException:  # closed (or thrown into): settle on this token, no new draft
+                    self._append_token(token, adapter, capacity, draft_tokens=0)
+                    raise
+                self._append_token(token, adapter, capacity,
+                                   draft_tokens=min(self.prompt_lookup, limit - emitted) if drafting else 0)
+        finally:
+            self._drop_draft(adapter)
 
-    def _append_token(self, token: int, adapter, capacity: int) -> None:
-        self.next_logits = self._forward_tracked(torch.tensor([token]), adapter, capacity)
+    def _append_token(self, token: int, adapter, capacity: int, draft_tokens: int = 0) -> None:
+        """Give ``token`` (just picked) its cache row and set ``next_logits`` to the logits after it.
+        Its row is already there when it equals the next token of the pending draft (checked in
+        the last forward); otherwise the draft's rows are dropped and ``token`` is forwarded with
+        up to ``draft_tokens`` new draft tokens (:func:`kvmemory.lookup.propose`), whose rows and
+        logits are kept pending until the next picks accept or reject them."""
+        draft = self._draft
+        if draft is not None and draft[0] and draft[0][0] == token:
+            tokens, logits = draft
+            self._draft = (tokens[1:], logits[1:])
+            self._accept(token, logits[0])
+            return
+        self._drop_draft(adapter)
+        guess = propose(self.token_ids + [token], draft_tokens) if draft_tokens else []
+        if not guess:
+            self._accept(token, self._forward_tracked(torch.tensor([token]), adapter, capacity))
+            return
+        rows = self._forward_tracked(torch.tensor([token] + guess), adapter, capacity, every_row=True)
+        self._draft = (guess, rows[1:])
+        self._accept(token, rows[0])
+
+    def _accept(self, token: int, logits: torch.Tensor) -> None:
+        """``token``'s row is computed (right after the cached ids): record it as answered."""
         if self.exact_rows == len(self.token_ids):  # a row computed on an exact cache is exact
             self.exact_rows += 1
         self.token_ids.append(token)
+        self.next_logits = logits
+        self._row_logits = (self._rows_key(), logits)
 
-    def _forward_tracked(self, ids: torch.Tensor, adapter, capacity: int | None = None) -> torch.Tensor:
+    def _drop_draft(self, adapter) -> None:
+        """Drop the rows of draft tokens no pick accepted (the cache ends at the answered ids)."""
+        if self._draft is None:
+            return
+        self._draft = None
+        extra = kvcache.cache_length(self.cache) - len(self.token_ids)
+        if extra > 0:
+            kvcache.crop_to(self.cache, len(self.token_ids))
+            self.reforge.commit([], source_rows=None, rows=len(self.token_ids), recomputed_all=False, current=adapter)
+
+    def _forward_tracked(self, ids: torch.Tensor, adapter, capacity: int | None = None,
+                         every_row: bool = False) -> torch.Tensor:
         """Append ``ids`` (LongTensor ``[m]``) to the cache; CacheReforge records the boundary
         states of the new rows (one recording per forward: a suspended stream must not capture
         other sessions' forwards on the shared model). ``capacity``: rows the cache is expected
-        to reach (see ``executors.sequential.forward_rows``). Returns the fp32 next-token logits."""
+        to reach (see ``executors.sequential.forward_rows``). Returns the fp32 next-token logits
+        (``[vocab]``; with ``every_row`` ``[m, vocab]``, row i after input i)."""
         start = len(self.token_ids)
         with self.reforge.recording() as captures:
-            logits = forward_rows(self.model, self.cache, ids, start, capacity=capacity)
+            logits = forward_rows(self.model, self.cache, ids, start, capacity=capacity, every_row=every_row)
         self.reforge.commit(captures, source_rows=None, rows=start + ids.shape[0], recomputed_all=False, current=adapter)
-        self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits)
+        self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits[-1] if every_row else logits)
         return logits
 
     def _sync_adapter(self, *, recover: bool = False):
@@ -674,6 +729,12 @@ def _check_decoding(max_new_tokens, temperature, seed, logits_processor) -> None
         raise InputTypeError(f"seed must be an int or None (got {type(seed).__name__})")
     if logits_processor is not None and not callable(logits_processor):
         raise InputTypeError("logits_processor must be callable as processor(input_ids, scores)")
+
+
+def _checked_lookup(tokens) -> int:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise InputError(f"prompt_lookup must be an int >= 0 (got {tokens!r}); 0 decodes one token per forward")
+    return tokens
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator) -> int:

@@ -97,14 +97,14 @@ class QuantizedLlama:
 
     def stale_reason(self) -> str | None:
         """Why the blocks may no longer equal the model's weights (None: they do). Checked before
-        every call (~30 us): each module is still in its place (an adapter wraps modules) and
+        every call (~0.1 ms): each module is still in its place (an adapter wraps modules) and
         each parameter is the same tensor at the same version (in-place writes bump it)."""
-        for parent, name, module, params in self._watched:
-            if parent._modules.get(name) is not module:
-                return f"module {name!r} was replaced (an adapter or a patch wraps it)"
-            for attr, param, version in params:
-                if module._parameters.get(attr) is not param or param._version != version:
-                    return "a model weight was modified in place after the engine was built"
+        modules, params = self._watched
+        if not all(parent.get(name) is module for parent, name, module in modules):
+            name = next(name for parent, name, module in modules if parent.get(name) is not module)
+            return f"module {name!r} was replaced (an adapter or a patch wraps it)"
+        if not all(held.get(attr) is param and param._version == version for held, attr, param, version in params):
+            return "a model weight was modified in place after the engine was built"
         return None
 
     def block_linears(self) -> "BlockLinears":
@@ -127,12 +127,14 @@ class QuantizedLlama:
         return target
 
     @torch.no_grad()
-    def forward_rows(self, cache, token_ids: torch.Tensor, start: int, capacity: int | None = None) -> torch.Tensor:
+    def forward_rows(self, cache, token_ids: torch.Tensor, start: int, capacity: int | None = None,
+                     every_row: bool = False) -> torch.Tensor:
         """Compute and append rows ``[start, start+n)`` for ``token_ids`` (LongTensor ``[n]``).
 
         ``cache``: a ``DynamicCache`` of plain layers holding exactly ``start`` rows.
         ``capacity``: rows to allocate at once if the storage must grow (see ``CacheBuffers.reserve``).
-        Returns fp32 logits ``[vocab]`` predicting the token after the last input.
+        Returns fp32 logits ``[vocab]`` predicting the token after the last input, or with
+        ``every_row`` ``[n, vocab]``, row i predicting the token after input i.
         """
         n = token_ids.shape[0]
         storage = self.buffers.reserve(cache, start, n, capacity)
@@ -143,35 +145,39 @@ class QuantizedLlama:
         if n == 1:  # one decoded token: the whole decoder in one kernel call
             logits = self.decoder.step(hidden[0], storage.all_keys, storage.all_values, cos[0, 0], sin[0, 0], start)
             self.buffers.publish(cache, storage, start + 1)
-            return logits
+            return logits[None] if every_row else logits
+        if n < DENSE_FROM_ROWS:  # a short append or a draft to verify: one kernel call as well
+            logits = self.decoder.rows(hidden, storage.all_keys, storage.all_values, cos[0].contiguous(),
+                                       sin[0].contiguous(), start, every_row)
+            self.buffers.publish(cache, storage, start + n)
+            return logits if every_row else logits[0]
         mask = _causal_mask(start, n)
-        dense = n >= DENSE_FROM_ROWS
         for i, layer in enumerate(self.layers):
-            bf16 = self.bf16[i] if dense and self.bf16 else None
-            hidden = self._layer(layer, hidden, storage.keys[i], storage.values[i], start, cos, sin, mask, dense, bf16)
+            bf16 = self.bf16[i] if self.bf16 else None
+            hidden = self._layer(layer, hidden, storage.keys[i], storage.values[i], start, cos, sin, mask, bf16)
         self.buffers.publish(cache, storage, start + n)
-        last = body.norm(hidden[-1:])
-        return self.head(last, int8=self.int8)[0]
+        rows = hidden if every_row else hidden[-1:]
+        logits = self.head(body.norm(rows), int8=self.int8)
+        return logits if every_row else logits[0]
 
-    def _layer(self, layer: _Layer, hidden, keys, values, start, cos, sin, mask, dense, bf16=None):
+    def _layer(self, layer: _Layer, hidden, keys, values, start, cos, sin, mask, bf16=None):
+        """One decoder layer over many new rows on the model's dense weights (fp32, or the bf16
+        copies)."""
         module = layer.module
         if bf16 is not None:
             return self._layer_bf16(layer, bf16, hidden, keys, values, start, cos, sin, mask)
+        attn, mlp = module.self_attn, module.mlp
         x = module.input_layernorm(hidden)
-        q, k, v = self._qkv(layer, x, dense)
-        attn = self._self_attention(q, k, v, keys, values, start, cos, sin, mask)
-        hidden = hidden + self._linear(layer.o, module.self_attn.o_proj, attn, dense)
+        q, k, v = (F.linear(x, p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        out = self._self_attention(q, k, v, keys, values, start, cos, sin, mask)
+        hidden = hidden + F.linear(out, attn.o_proj.weight)
         x = module.post_attention_layernorm(hidden)
-        mlp = module.mlp
-        if dense:
-            gate, up = F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)
-        else:
-            gate, up = layer.gate_up(x, int8=self.int8).split(mlp.gate_proj.out_features, dim=-1)
-        return hidden + self._linear(layer.down, mlp.down_proj, mlp.act_fn(gate) * up, dense)
+        gate, up = F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)
+        return hidden + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight)
 
     def _self_attention(self, q, k, v, keys, values, start, cos, sin, mask):
         """Rotate ``q``/``k`` (rows ``[n, heads * head_dim]``) to their positions, write ``k``/``v``
-        into the layer's buffers at ``start`` and attend over rows ``[0, start + n)``."""
+        into the layer's buffers at ``start`` and attend over rows ``[0, start + n)`` (SDPA)."""
         n = q.shape[0]
         q = q.view(n, self.heads, self.head_dim).transpose(0, 1)[None]
         k = k.view(n, self.kv_heads, self.head_dim).transpose(0, 1)[None]
@@ -180,10 +186,12 @@ class QuantizedLlama:
         end = start + n
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
-        return self._attend(q, keys[0, :, :end], values[0, :, :end], mask)
+        attn = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
+                                              scale=self.scale, is_causal=mask is None, enable_gqa=True)
+        return attn[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
 
     def _layer_bf16(self, layer: _Layer, weights: dict, hidden, keys, values, start, cos, sin, mask):
-        """:meth:`_layer`'s dense path with the linears in bf16 (norms, RoPE, attention fp32)."""
+        """:meth:`_layer` with the linears in bf16 (norms, RoPE, attention fp32)."""
         module = layer.module
         attn = module.self_attn
         sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
@@ -193,29 +201,6 @@ class QuantizedLlama:
         gate, up = _bf16_linear(module.post_attention_layernorm(hidden), weights["gate_up"]).split(
             module.mlp.gate_proj.out_features, dim=-1)
         return hidden + _bf16_linear(module.mlp.act_fn(gate) * up, weights["down"])
-
-    def _attend(self, q, keys, values, mask):
-        """Attention of the new rows' queries ``[1, heads, n, d]`` over ``keys`` / ``values``
-        ``[kv_heads, rows, d]`` -> ``[n, heads * d]``. One decoded row: the query heads of a
-        key/value group as one matmul (SDPA's flash kernel costs ~0.4 ms per call for one row)."""
-        n = q.shape[2]
-        if n == 1:
-            group = q.view(self.kv_heads, self.heads // self.kv_heads, self.head_dim)
-            probs = torch.softmax(torch.matmul(group, keys.transpose(1, 2)) * self.scale, dim=-1)
-            return torch.matmul(probs, values).reshape(1, self.heads * self.head_dim)
-        attn = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, scale=self.scale,
-                                              is_causal=mask is None, enable_gqa=True)
-        return attn[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
-
-    def _qkv(self, layer: _Layer, x, dense):
-        attn = layer.module.self_attn
-        if dense:
-            return F.linear(x, attn.q_proj.weight), F.linear(x, attn.k_proj.weight), F.linear(x, attn.v_proj.weight)
-        sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        return layer.qkv(x, int8=self.int8).split(sizes, dim=-1)
-
-    def _linear(self, blocks: Q4Linear, module, x, dense):
-        return F.linear(x, module.weight) if dense else blocks(x, int8=self.int8)
 
 
 def _bf16_weights(module) -> dict[str, torch.Tensor]:
@@ -230,15 +215,17 @@ def _bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(torch.bfloat16), weight).float()
 
 
-def _watch(model) -> list:
-    """``(parent, name, module, [(attr, parameter, version)])`` for every module with parameters."""
-    watched = []
+def _watch(model) -> tuple[list, list]:
+    """What :meth:`QuantizedLlama.stale_reason` compares: ``(parent's module dict, name, module)``
+    for every module with parameters and ``(module's parameter dict, name, parameter, version)``
+    for each of their parameters (flat lists: the check runs before every decoded token)."""
+    modules, params = [], []
     for parent in model.modules():
         for name, module in parent._modules.items():
             if module is not None and module._parameters:
-                params = [(a, p, p._version) for a, p in module._parameters.items() if p is not None]
-                watched.append((parent, name, module, params))
-    return watched
+                modules.append((parent._modules, name, module))
+                params += [(module._parameters, a, p, p._version) for a, p in module._parameters.items() if p is not None]
+    return modules, params
 
 
 def _causal_mask(start: int, n: int) -> torch.Tensor | None:

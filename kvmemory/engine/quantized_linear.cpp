@@ -108,52 +108,85 @@ void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float
   }
 }
 
+#if defined(__AVX512F__)
+// R activation rows (1 <= R <= 8) against P output rows from o (P = 2 share the activation loads):
+// each block is dequantized once (w = d * q + m, one rounding) and multiplied with every row;
+// the low and high halves keep separate accumulators (2PR independent FMA chains).
+template <int R, int P>
+void q4_pair(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m, float* y,
+             int64_t ldy, int64_t o) {
+  const int64_t nb = K / kBlock;
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  __m512 acc[P][R][2];
+  for (int r = 0; r < P; ++r)
+    for (int i = 0; i < R; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 lo[P], hi[P];
+    for (int r = 0; r < P; ++r) {
+      const int64_t row = o + r;
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (row * nb + b) * 16)));
+      const __m512 scale = _mm512_set1_ps(d[row * nb + b]), low = _mm512_set1_ps(m[row * nb + b]);
+      lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4)), scale, low);
+      hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, low);
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 x0 = _mm512_loadu_ps(x + i * K + b * kBlock), x1 = _mm512_loadu_ps(x + i * K + b * kBlock + 16);
+      for (int r = 0; r < P; ++r) {
+        acc[r][i][0] = _mm512_fmadd_ps(lo[r], x0, acc[r][i][0]);
+        acc[r][i][1] = _mm512_fmadd_ps(hi[r], x1, acc[r][i][1]);
+      }
+    }
+  }
+  for (int r = 0; r < P; ++r)
+    for (int i = 0; i < R; ++i) y[i * ldy + o + r] = hsum(_mm512_add_ps(acc[r][i][0], acc[r][i][1]));
+}
+
+template <int R>
+void q4_rows_r(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m, float* y,
+               int64_t ldy, int64_t row_begin, int64_t row_end) {
+  int64_t o = row_begin;
+  for (; o + 2 <= row_end; o += 2) q4_pair<R, 2>(x, K, codes, d, m, y, ldy, o);
+  if (o < row_end) q4_pair<R, 1>(x, K, codes, d, m, y, ldy, o);
+}
+#endif
+
+// Several activation rows (M >= 2), up to 8 at a time.
 void q4_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d, const float* m,
              const float* xs, float* y, int64_t N, int64_t row_begin, int64_t row_end) {
   const int64_t nb = K / kBlock;
-  for (int64_t o = row_begin; o < row_end; ++o) {
-    const uint8_t* q = codes + o * nb * 16;
-    const float* dr = d + o * nb;
-    const float* mr = m + o * nb;
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
-      const int64_t mc = std::min(kMaxM, M - m0);
 #if defined(__AVX512F__)
-      __m512 acc[kMaxM];
-      for (int64_t i = 0; i < mc; ++i) acc[i] = _mm512_setzero_ps();
-      const __m512i low4 = _mm512_set1_epi32(0xF);
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-        const __m512 scale = _mm512_set1_ps(dr[b]);
-        for (int64_t i = 0; i < mc; ++i) {
-          const float* xb = x + (m0 + i) * K + b * kBlock;
-          __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xb));
-          t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), t);
-          acc[i] = _mm512_fmadd_ps(scale, t, acc[i]);
-        }
+  {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+      const float* xm = x + m0 * K;
+      float* ym = y + m0 * N;
+      switch (std::min(kMaxM, M - m0)) {
+        case 1: q4_rows_r<1>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+        case 2: q4_rows_r<2>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+        case 3: q4_rows_r<3>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+        case 4: q4_rows_r<4>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+        case 5: q4_rows_r<5>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+        case 6: q4_rows_r<6>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+        case 7: q4_rows_r<7>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+        default: q4_rows_r<8>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
       }
-      for (int64_t i = 0; i < mc; ++i) {
-        const float* xsr = xs + (m0 + i) * nb;
-        float mins = 0.f;
-        for (int64_t b = 0; b < nb; ++b) mins += mr[b] * xsr[b];
-        y[(m0 + i) * N + o] = hsum(acc[i]) + mins;
-      }
-#else
-      for (int64_t i = 0; i < mc; ++i) {
-        const float* xr = x + (m0 + i) * K;
-        const float* xsr = xs + (m0 + i) * nb;
-        float total = 0.f;
-        for (int64_t b = 0; b < nb; ++b) {
-          float dot = 0.f;
-          for (int64_t j = 0; j < 16; ++j) {
-            dot += float(q[b * 16 + j] & 0xF) * xr[b * kBlock + j] + float(q[b * 16 + j] >> 4) * xr[b * kBlock + 16 + j];
-          }
-          total += dr[b] * dot + mr[b] * xsr[b];
-        }
-        y[(m0 + i) * N + o] = total;
-      }
+    }
+    return;
+  }
 #endif
+  for (int64_t o = row_begin; o < row_end; ++o) {  // portable path (and a one-row weight)
+    const uint8_t* q = codes + o * nb * 16;
+    for (int64_t i = 0; i < M; ++i) {
+      const float* xr = x + i * K;
+      const float* xsr = xs + i * nb;
+      float total = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        float dot = 0.f;
+        for (int64_t j = 0; j < 16; ++j) {
+          dot += float(q[b * 16 + j] & 0xF) * xr[b * kBlock + j] + float(q[b * 16 + j] >> 4) * xr[b * kBlock + 16 + j];
+        }
+        total += d[o * nb + b] * dot + m[o * nb + b] * xsr[b];
+      }
+      y[i * N + o] = total;
     }
   }
 }
@@ -591,6 +624,10 @@ struct Q4Weight {
       q4_rows_single(x, K, qp, dp, mp, xs, y, begin, end);
     });
   }
+  // x [n, K] -> [n, out] (every row through one pass over the blocks)
+  torch::Tensor apply_rows(const torch::Tensor& x, bool int8) const {
+    return int8 ? q4_1_linear_i8(x, codes, scales, mins) : q4_1_linear(x, codes, scales, mins);
+  }
 };
 
 void sums_of_blocks(const float* x, int64_t K, float* out) {
@@ -811,7 +848,123 @@ class LlamaDecoder {
     return logits;
   }
 
+  // n new rows (tokens at rows [pos, pos + n), n small: a short append or a draft to verify) through
+  // every layer: hidden [n, H] embeddings, cos / sin [n, head_dim]; row i attends rows [0, pos + i].
+  // Each linear reads its blocks once for all n rows. Returns logits [n, V] (every_row) or [1, V]
+  // for the last row.
+  torch::Tensor rows(torch::Tensor hidden, torch::Tensor keys, torch::Tensor values, torch::Tensor cos,
+                     torch::Tensor sin, int64_t pos, bool every_row) {
+    const int64_t n = hidden.size(0), H = hidden.size(1), layers = qkv_.size(), D = head_dim_;
+    const int64_t q_width = heads_ * D, kv_width = kv_heads_ * D;
+    const int64_t inter = gate_up_[0].out() / 2;
+    TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.size(0) == layers && pos + n <= keys.size(3),
+                "keys / values must be contiguous [layers, 1, kv_heads, capacity >= pos + n, head_dim]");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == n && cos.size(1) == D,
+                "cos / sin must be contiguous [n, head_dim]");
+    const int64_t capacity = keys.size(3);
+    auto h = hidden.contiguous().clone();
+    float* hp = h.data_ptr<float>();
+    auto x = torch::empty({n, H}, h.options());
+    auto attn = torch::empty({n, q_width}, h.options());
+    auto act = torch::empty({n, inter}, h.options());
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    for (int64_t l = 0; l < layers; ++l) {
+      norm_rows(hp, input_norms_[l], n, H, x.data_ptr<float>());
+      auto qkv = qkv_[l].apply_rows(x, int8_);
+      float* kl = keys.data_ptr<float>() + l * kv_heads_ * capacity * D;
+      float* vl = values.data_ptr<float>() + l * kv_heads_ * capacity * D;
+      for (int64_t i = 0; i < n; ++i) {
+        float* q = qkv.data_ptr<float>() + i * (q_width + 2 * kv_width);
+        float* k = q + q_width;
+        float* v = k + kv_width;
+        for (int64_t hd = 0; hd < heads_; ++hd) rotate(q + hd * D, cp + i * D, sp + i * D, D);
+        for (int64_t g = 0; g < kv_heads_; ++g) {
+          rotate(k + g * D, cp + i * D, sp + i * D, D);
+          std::copy(k + g * D, k + (g + 1) * D, kl + (g * capacity + pos + i) * D);
+          std::copy(v + g * D, v + (g + 1) * D, vl + (g * capacity + pos + i) * D);
+        }
+      }
+      attend_rows(qkv.data_ptr<float>(), q_width + 2 * kv_width, kl, vl, capacity, pos, n, attn.data_ptr<float>());
+      add_rows(hp, o_[l].apply_rows(attn, int8_), n * H);
+      norm_rows(hp, post_norms_[l], n, H, x.data_ptr<float>());
+      auto gate_up = gate_up_[l].apply_rows(x, int8_);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* gu = gate_up.data_ptr<float>() + i * 2 * inter;
+        silu_mul(gu, gu + inter, inter, act.data_ptr<float>() + i * inter);
+      }
+      add_rows(hp, down_[l].apply_rows(act, int8_), n * H);
+    }
+    const int64_t first = every_row ? 0 : n - 1;
+    auto last = torch::empty({n - first, H}, h.options());
+    norm_rows(hp + first * H, final_norm_, n - first, H, last.data_ptr<float>());
+    return int8_ ? q8_0_linear_i8(last, head_codes_, head_scales_) : q8_0_linear(last, head_codes_, head_scales_);
+  }
+
  private:
+  void norm_rows(const float* x, const torch::Tensor& weight, int64_t n, int64_t H, float* out) const {
+    for (int64_t i = 0; i < n; ++i) rms_norm(x + i * H, weight.data_ptr<float>(), H, eps_, out + i * H);
+  }
+
+  static void add_rows(float* h, const torch::Tensor& delta, int64_t count) {
+    const float* dp = delta.data_ptr<float>();
+    for (int64_t i = 0; i < count; ++i) h[i] += dp[i];
+  }
+
+  // attend() for n query rows (row i of q at q + i * q_stride) over rows [0, pos + i] each: every
+  // chunk of cached rows is read once for all query rows.
+  void attend_rows(const float* q, int64_t q_stride, const float* keys, const float* values, int64_t capacity,
+                   int64_t pos, int64_t n, float* out) {
+    const int64_t D = head_dim_, group = heads_ / kv_heads_, H = heads_, rows = pos + n;
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 256));
+    std::vector<float> part_out(chunks * n * H * D), part_top(chunks * n * H), part_total(chunks * n * H);
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t r0 = rows * c / chunks, width = rows * (c + 1) / chunks - r0;
+        scores.assign(n * H * width, 0.f);
+        for (int64_t g = 0; g < kv_heads_; ++g) {
+          const float* kg = keys + (g * capacity + r0) * D;
+          for (int64_t r = 0; r < width; ++r) {
+            for (int64_t i = std::max<int64_t>(0, r0 + r - pos); i < n; ++i) {  // the query rows that see row r
+              for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
+                scores[(i * H + hh) * width + r] = dot(q + i * q_stride + hh * D, kg + r * D, D) * float(scale_);
+              }
+            }
+          }
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t seen = std::min(width, std::max<int64_t>(0, pos + i + 1 - r0));
+          for (int64_t hh = 0; hh < H; ++hh) {
+            float* sh = scores.data() + (i * H + hh) * width;
+            const int64_t slot = (c * n + i) * H + hh;
+            const float top = max_of(sh, seen);
+            part_top[slot] = top;
+            part_total[slot] = seen ? exp_shifted_sum(sh, seen, top) : 0.f;
+            weighted_rows(sh, values + ((hh / group) * capacity + r0) * D, seen, D, part_out.data() + slot * D);
+          }
+        }
+      }
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t hh = 0; hh < H; ++hh) {
+        float top = -INFINITY, total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part_top[(c * n + i) * H + hh]);
+        float* oh = out + (i * H + hh) * D;
+        std::fill(oh, oh + D, 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t slot = (c * n + i) * H + hh;
+          if (part_total[slot] == 0.f) continue;  // a chunk past this query row's causal end
+          const float w = chunks == 1 ? 1.f : std::exp(part_top[slot] - top);
+          total += w * part_total[slot];
+          const float* po = part_out.data() + slot * D;
+          for (int64_t j = 0; j < D; ++j) oh[j] += w * po[j];
+        }
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < D; ++j) oh[j] *= inv;
+      }
+    }
+  }
+
   // softmax(q k^T * scale) v for every query head over rows [0, rows) of its key/value group.
   // The rows are split into chunks, one per thread (each reads its rows once, for every head):
   // each chunk keeps its own maximum score, sum of exponentials and unnormalized output per
@@ -882,5 +1035,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, bool>())
       .def("step", &LlamaDecoder::step, "one decoded token through every layer; returns logits",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("rows", &LlamaDecoder::rows, "a few new rows through every layer; returns logits [n or 1, V]",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

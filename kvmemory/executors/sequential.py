@@ -35,7 +35,8 @@ class ForwardResult:
 
 
 def forward_rows(
-    model, cache: DynamicCache, token_ids: torch.Tensor, start: int, *, capacity: int | None = None
+    model, cache: DynamicCache, token_ids: torch.Tensor, start: int, *, capacity: int | None = None,
+    every_row: bool = False,
 ) -> torch.Tensor:
     """Forward ``token_ids`` (LongTensor ``[n]``) at positions ``[start, start+n)`` against
     ``cache``, which must hold exactly ``start`` rows; appends n rows to it.
@@ -46,11 +47,12 @@ def forward_rows(
     allocates them at once instead of growing row by row.
 
     Returns:
-        fp32 logits ``[vocab]`` for the token after the last input position.
+        fp32 logits ``[vocab]`` for the token after the last input position, or with
+        ``every_row`` ``[n, vocab]`` (row i: the token after input i; checking a draft).
     """
     fast = engine_for(model, cache)
     if fast is not None:
-        return fast.forward_rows(cache, token_ids, start, capacity)
+        return fast.forward_rows(cache, token_ids, start, capacity, every_row=every_row)
     n = token_ids.shape[0]
     positions = torch.arange(start, start + n, device=token_ids.device)[None]
     with torch.no_grad():
@@ -59,9 +61,9 @@ def forward_rows(
             position_ids=positions,
             cache=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=n if every_row else 1,
         )
-    return out.logits[0, -1].float()
+    return out.logits[0].float() if every_row else out.logits[0, -1].float()
 
 
 def run_sequential(

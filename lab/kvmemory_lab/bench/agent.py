@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reprefill", default="fp32,bf16",
                         help="dtypes of the transformers Re-prefill peer, comma list of fp32, bf16 (default both; "
                              "bf16 is the reference of the time ratios)")
+    parser.add_argument("--lookups", type=int_list, default=None,
+                        help="kvmemory prompt-lookup draft tokens, comma list, one system each (default: the session's)")
+    parser.add_argument("--llama-lookup", type=int, default=10,
+                        help="also run llama.cpp with prompt lookup decoding of this many draft tokens "
+                             "(llama-cpp-python's default 10; 0: only plain llama.cpp)")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp CPU threads (default 2)")
     parser.add_argument("--quick", action="store_true", help="context 768, 1 trial, 4-token answers, 8-token decode (a fast check)")
     parser.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
@@ -253,26 +258,35 @@ def _systems(args, settings: dict, pool: ModelPool, chats: list[AgentChat]) -> t
     systems: list = []
     for engine in settings["engines"]:
         lm = pool.get(args.dtype, engine)
-        systems += [KVMemorySystem({"engine": "kvmemory", "policy": p, "dtype": args.dtype, "rows": lm.engine.name}, lm, tools)
-                    for p in settings["policies"]]
+        systems += [KVMemorySystem({"engine": "kvmemory", "policy": p, "dtype": args.dtype, "rows": lm.engine.name,
+                                    "lookup": lookup}, lm, tools)
+                    for p in settings["policies"] for lookup in args.lookups or [None]]
     systems += [ReprefillSystem({"engine": "transformers", "dtype": d}, pool.get(d), tools) for d in settings["reprefill"]]
     skip = llama_cpp_missing()
     if skip is None and args.gguf is None and args.model is not None:
         skip = "llama.cpp skipped: --model is not the embedded model; pass --gguf with the same model as GGUF"
+    notes = []
     if skip is None:
         try:
             systems.append(_llama_system(args, settings, pool, chats, tools))
         except ModelNotFoundError as exc:  # the embedded GGUF's wheel is gone (a converted copy still runs)
             skip = f"llama.cpp skipped: {exc}"
-    return systems, [skip] if skip else []
+    if skip is None and args.llama_lookup > 0:
+        try:
+            systems.append(_llama_system(args, settings, pool, chats, tools, lookup=args.llama_lookup))
+        except ImportError as exc:
+            notes.append(f"llama.cpp with prompt lookup skipped: {exc}")
+    return systems, ([skip] if skip else []) + notes
 
 
-def _llama_system(args, settings: dict, pool: ModelPool, chats: list[AgentChat], tools) -> LlamaCppSystem:
+def _llama_system(args, settings: dict, pool: ModelPool, chats: list[AgentChat], tools,
+                  lookup: int | None = None) -> LlamaCppSystem:
     """llama.cpp on ``--gguf`` (default: the embedded model's packaged GGUF), its context sized for
-    the longest request. Raises ModelNotFoundError when the embedded GGUF is not installed."""
+    the longest request (``lookup``: with prompt lookup decoding). Raises ModelNotFoundError when
+    the embedded GGUF is not installed, ImportError when llama-cpp-python has no prompt lookup."""
     longest = max(max(c.prompt_tokens.values()) for c in chats)
     n_ctx = longest + settings["decode_tokens"] + 256  # margin: llama.cpp may tokenize a little longer
-    config = {"engine": "llama.cpp", "gguf": str(args.gguf or embedded_gguf_path())}
+    config = {"engine": "llama.cpp", "gguf": str(args.gguf or embedded_gguf_path()), "lookup": lookup}
     return LlamaCppSystem(config, pool.get(args.dtype).tokenizer, tools, n_ctx, args.threads)
 
 

@@ -31,7 +31,7 @@ from kvmemory.session import KVSession, stop_token_ids
 
 # keys a kvmemory configuration may carry; engine options (quantized cache, compiled decode)
 # join here, each turned into a KVSession argument by build_session
-KVMEMORY_OPTIONS = ("engine", "policy", "dtype", "rows")
+KVMEMORY_OPTIONS = ("engine", "policy", "dtype", "rows", "lookup")
 
 
 @dataclass
@@ -69,12 +69,13 @@ class ModelPool:
 
 def system_name(config: dict[str, Any]) -> str:
     """Display name of a system configuration, e.g. ``kvmemory sur@5 fp32``, ``transformers bf16``."""
+    lookup = f" lookup {config['lookup']}" if config.get("lookup") is not None else ""
     if config["engine"] == "kvmemory":
         rows = f" {config['rows']}" if config.get("rows") else ""
-        return f"kvmemory {config['policy']} {config['dtype']}{rows}"
+        return f"kvmemory {config['policy']} {config['dtype']}{rows}{lookup}"
     if config["engine"] == "transformers":
         return f"transformers {config['dtype']}"
-    return f"llama.cpp {Path(config['gguf']).stem.rsplit('.', 1)[-1]}"
+    return f"llama.cpp {Path(config['gguf']).stem.rsplit('.', 1)[-1]}{lookup}"
 
 
 def build_session(config: dict[str, Any], lm: LoadedModel, tools: list[dict] | None) -> KVSession:
@@ -82,7 +83,8 @@ def build_session(config: dict[str, Any], lm: LoadedModel, tools: list[dict] | N
 
     Args:
         config: ``{"engine": "kvmemory", "policy": label (e.g. "sur@5"), "dtype": "fp32" | "bf16",
-            "rows": the engine computing rows ("q4_1" / "transformers", display only)}``.
+            "rows": the engine computing rows ("q4_1" / "transformers", display only),
+            "lookup": draft tokens per greedy forward (optional; default the session's)}``.
         lm: the model loaded in ``config["dtype"]`` with that engine. ``tools``: OpenAI-format tools the chat offers.
 
     Raises:
@@ -93,7 +95,8 @@ def build_session(config: dict[str, Any], lm: LoadedModel, tools: list[dict] | N
     if unknown:
         raise ValueError(f"unknown kvmemory option(s) {unknown}: supported {list(KVMEMORY_OPTIONS)}; "
                          "add a new engine option to build_session in lab/kvmemory_lab/bench/agent_systems.py")
-    return KVSession(lm.model, lm.tokenizer, config["policy"], tools=tools)
+    lookup = {} if config.get("lookup") is None else {"prompt_lookup": config["lookup"]}
+    return KVSession(lm.model, lm.tokenizer, config["policy"], tools=tools, **lookup)
 
 
 def _masked(logits: torch.Tensor, stops: list[int]) -> torch.Tensor:
@@ -197,14 +200,25 @@ class _EvalCounter:
 class LlamaCppSystem:
     """llama-cpp-python on a GGUF: the same rendered prompt, tokenized by llama.cpp, then
     ``Llama.generate`` greedy (temp 0), which keeps the longest common token prefix of the previous
-    call's KV cache and evaluates the rest. Not testable on this machine (no wheel; see the report)."""
+    call's KV cache and evaluates the rest. ``config["lookup"]``: llama-cpp-python's prompt lookup
+    decoding (``LlamaPromptLookupDecoding``) with that many draft tokens. Not testable on this
+    machine (no wheel; see the report).
+
+    Raises:
+        ImportError: ``lookup`` asked for and llama-cpp-python has no ``llama_speculative``.
+    """
 
     def __init__(self, config: dict[str, Any], tokenizer, tools: list[dict] | None, n_ctx: int, threads: int):
         import llama_cpp
 
+        draft = {}
+        if config.get("lookup"):
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=config["lookup"])}
         self.tokenizer, self.tools, self.name, self.gguf = tokenizer, tools, system_name(config), str(config["gguf"])
         self.llm = llama_cpp.Llama(model_path=str(config["gguf"]), n_ctx=n_ctx, n_threads=threads,
-                                   n_threads_batch=threads, verbose=False)
+                                   n_threads_batch=threads, verbose=False, **draft)
         self.evals = _EvalCounter(self.llm)
         self.version = getattr(llama_cpp, "__version__", "unknown")
 

@@ -1,0 +1,42 @@
+"""Prompt lookup: draft the next answer tokens by copying what followed the same n-gram earlier.
+
+An agent's answer often repeats its context: a tool call names an entity from a tool result, an
+answer quotes a passage, a JSON key recurs. Greedy decoding can then check several guessed tokens
+in one forward (the "prompt lookup decoding" of transformers' ``prompt_lookup_num_tokens``,
+llama.cpp's lookup decoding and vLLM's n-gram speculation): the session feeds the picked token
+plus the draft, picks each next token from the logits of the row before it, and keeps the draft's
+rows while the picks equal the draft. Every token is still the argmax of the logits computed
+after exactly the tokens before it, so the answer is greedy decoding's answer (up to the fp32
+summation order of a several-row forward, as for any appended turn). A rejected guess costs its
+share of that forward: on the quantized engine one more row adds ~1/4 of a one-row step at 2 K
+cached rows, so a draft pays off when it is accepted about one time in four.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+MAX_NGRAM = 3  # the longest suffix looked up (tokens); shorter suffixes are tried after it
+
+
+def propose(token_ids: Sequence[int], tokens: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Up to ``tokens`` draft tokens to follow ``token_ids``: what followed the most recent earlier
+    occurrence of its longest suffix (``max_ngram`` tokens, then shorter, down to 1) in
+    ``token_ids`` itself. Empty when no suffix recurs or ``tokens`` < 1.
+
+    Cost: a vectorised scan of ``token_ids`` per n-gram length (~0.1 ms at 2 K ids).
+    """
+    if tokens < 1 or len(token_ids) < 2:
+        return []
+    ids = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        suffix = ids[-n:]
+        # windows that end before the last id, so that a continuation exists
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return ids[start:start + tokens].tolist()
+    return []
