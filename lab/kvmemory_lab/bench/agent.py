@@ -43,7 +43,7 @@ from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT, DemoCase, Passage, default_
 from .agent_systems import (
     KVMemorySystem, LlamaCppSystem, ModelPool, ReprefillSystem, llama_cpp_missing,
 )
-from .common import agg_pyplot, int_list, load_average, machine_name, time_ratio
+from .common import agg_pyplot, count_list, int_list, load_average, machine_name, time_ratio
 
 STEPS = ("first", "repeat", "append", "delete", "decode")
 REFERENCE = "transformers bf16"
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reprefill", default="fp32,bf16",
                         help="dtypes of the transformers Re-prefill peer, comma list of fp32, bf16 (default both; "
                              "bf16 is the reference of the time ratios)")
-    parser.add_argument("--lookups", type=int_list, default=None,
+    parser.add_argument("--lookups", type=count_list, default=None,
                         help="kvmemory prompt-lookup draft tokens, comma list, one system each (default: the session's)")
     parser.add_argument("--llama-lookup", type=int, default=10,
                         help="also run llama.cpp with prompt lookup decoding of this many draft tokens "

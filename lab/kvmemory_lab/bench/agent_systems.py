@@ -215,7 +215,9 @@ class LlamaCppSystem:
         if config.get("lookup"):
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=config["lookup"])}
+            # logits_all: llama-cpp-python sizes its score buffer for a whole context only when
+            # asked (with a draft model it keeps every row's logits, but sizes by this argument)
+            draft = {"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=config["lookup"]), "logits_all": True}
         self.tokenizer, self.tools, self.name, self.gguf = tokenizer, tools, system_name(config), str(config["gguf"])
         self.llm = llama_cpp.Llama(model_path=str(config["gguf"]), n_ctx=n_ctx, n_threads=threads,
                                    n_threads_batch=threads, verbose=False, **draft)

@@ -8,19 +8,24 @@ import platform
 from pathlib import Path
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: ``"2048,4096"`` -> ``[2048, 4096]`` (positive integers).
+def int_list(text: str, least: int = 1) -> list[int]:
+    """argparse type: ``"2048,4096"`` -> ``[2048, 4096]`` (integers >= ``least``, default positive).
 
     Raises:
-        argparse.ArgumentTypeError: a non-integer or non-positive item, or an empty list.
+        argparse.ArgumentTypeError: a non-integer or smaller item, or an empty list.
     """
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,4,16 (got {text!r})") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers (got {text!r})")
+    if not values or min(values) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least} (got {text!r})")
     return values
+
+
+def count_list(text: str) -> list[int]:
+    """argparse type: :func:`int_list` of integers >= 0 (``"0,2"``)."""
+    return int_list(text, least=0)
 
 
 def load_average() -> list[float]:
