@@ -50,14 +50,14 @@ def row_costs(lm, session: KVSession, most: int, repeats: int) -> dict[int, floa
     return costs
 
 
-def forwards(prompt: list[int], answer: list[int], draft: int) -> list[int]:
+def forwards(prompt: list[int], answer: list[int], draft: int, min_ngram: int = 1) -> list[int]:
     """Rows of each forward lookup with ``draft`` tokens needs for ``answer`` after ``prompt``
     (the first answer token comes from the prompt's logits; each later forward feeds the last
     picked token plus its draft)."""
     rows, i, seen = [], 0, list(prompt)
     while i < len(answer):  # the last token's row is computed too, as in generate()
         seen.append(answer[i])
-        guess = propose(seen, min(draft, len(answer) - 1 - i)) if draft else []
+        guess = propose(seen, min(draft, len(answer) - 1 - i), min_ngram=min_ngram) if draft else []
         accepted = 0
         for g in guess:
             if g != answer[i + 1 + accepted]:
@@ -102,10 +102,10 @@ def main() -> None:
                     costs = row_costs(lm, session, 1 + max(DRAFTS), args.repeats)
                     answer = session.generate(tokens, logits_processor=masked).token_ids
                     plain = sum(costs[n] for n in forwards(prompt, answer, 0))
-                    for draft in DRAFTS:
-                        used = forwards(prompt, answer, draft)
+                    for draft, min_ngram in [(d, 1) for d in DRAFTS] + [(d, 2) for d in DRAFTS[1:]]:
+                        used = forwards(prompt, answer, draft, min_ngram)
                         rows_out.append({"context": context, "seed": seed, "step": step, "tokens": tokens,
-                                         "draft": draft, "forwards": len(used),
+                                         "draft": draft, "min_ngram": min_ngram, "forwards": len(used),
                                          "relative_time": sum(costs[n] for n in used) / plain,
                                          "row_costs_ms": costs})
                     print(context, seed, step, tokens, "done", flush=True)
@@ -114,25 +114,28 @@ def main() -> None:
 
 def write(args, rows: list[dict]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
+    settings = sorted({(r["draft"], r["min_ngram"]) for r in rows})
     means = {}
     for tokens in sorted({r["tokens"] for r in rows}):
-        for draft in DRAFTS:
-            picked = [r["relative_time"] for r in rows if r["tokens"] == tokens and r["draft"] == draft]
-            means[f"{tokens}:{draft}"] = {"mean_relative_time": statistics.mean(picked),
-                                          "worst_relative_time": max(picked)}
+        for draft, min_ngram in settings:
+            picked = [r["relative_time"] for r in rows
+                      if r["tokens"] == tokens and r["draft"] == draft and r["min_ngram"] == min_ngram]
+            means[f"{tokens}:{draft}:{min_ngram}"] = {"mean_relative_time": statistics.mean(picked),
+                                                      "worst_relative_time": max(picked)}
     meta = {"threads": args.threads, "repeats": args.repeats, "contexts": args.contexts, "seeds": args.seeds,
             "command": "PYTHONPATH=.:lab .venv/bin/python benchmarks/prompt_lookup_replay.py "
                        f"--contexts {args.contexts} --seeds {args.seeds} --tokens {args.tokens} "
                        f"--threads {args.threads} --out {args.out}"}
     (args.out / "lookup.json").write_text(json.dumps({"meta": meta, "means": means, "rows": rows}, indent=1))
     lines = [f"# Prompt lookup replay\n\nCommand: `{meta['command']}`\n",
-             "Time per token relative to one token per forward (mean over answers / worst answer):\n",
-             "| answer tokens | " + " | ".join(f"draft {d}" for d in DRAFTS) + " |",
-             "|---|" + "---|" * len(DRAFTS)]
-    for tokens in sorted({r["tokens"] for r in rows}):
-        cells = [f"{means[f'{tokens}:{d}']['mean_relative_time']:.2f} / {means[f'{tokens}:{d}']['worst_relative_time']:.2f}"
-                 for d in DRAFTS]
-        lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
+             "Time per token relative to one token per forward (mean over answers / worst answer); "
+             "drafts from suffixes of at least 1 or 2 recurring tokens:\n",
+             "| draft tokens, shortest suffix | " + " | ".join(f"{t} answer tokens" for t in sorted({r['tokens'] for r in rows})) + " |",
+             "|---|" + "---|" * len({r["tokens"] for r in rows})]
+    for draft, min_ngram in settings:
+        cells = [f"{means[f'{t}:{draft}:{min_ngram}']['mean_relative_time']:.2f} / "
+                 f"{means[f'{t}:{draft}:{min_ngram}']['worst_relative_time']:.2f}" for t in sorted({r['tokens'] for r in rows})]
+        lines.append(f"| {draft}, {min_ngram} | " + " | ".join(cells) + " |")
     (args.out / "lookup.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

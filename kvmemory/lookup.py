@@ -19,19 +19,22 @@ from typing import Sequence
 import numpy as np
 
 MAX_NGRAM = 3  # the longest suffix looked up (tokens); shorter suffixes are tried after it
+# the shortest: a single recurring token guesses too often wrong once a rejected row costs more
+# (at 8 K cached rows an extra row costs half a one-row step: see docs/engine.md)
+MIN_NGRAM = 2
 
 
-def propose(token_ids: Sequence[int], tokens: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+def propose(token_ids: Sequence[int], tokens: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
     """Up to ``tokens`` draft tokens to follow ``token_ids``: what followed the most recent earlier
-    occurrence of its longest suffix (``max_ngram`` tokens, then shorter, down to 1) in
-    ``token_ids`` itself. Empty when no suffix recurs or ``tokens`` < 1.
+    occurrence of its longest suffix (``max_ngram`` tokens, then shorter, down to ``min_ngram``)
+    in ``token_ids`` itself. Empty when no such suffix recurs or ``tokens`` < 1.
 
     Cost: a vectorised scan of ``token_ids`` per n-gram length (~0.1 ms at 2 K ids).
     """
     if tokens < 1 or len(token_ids) < 2:
         return []
     ids = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
         suffix = ids[-n:]
         # windows that end before the last id, so that a continuation exists
         windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)

@@ -133,6 +133,18 @@ def test_structured_output_follows_the_schema_on_a_random_model(tiny_chat):
     assert raw["parsing_error"] is None and isinstance(raw["raw"], AIMessage)
 
 
+def test_prompt_lookup_changes_no_answer_even_under_a_grammar(tiny_chat):
+    schema = {"title": "Answer", "type": "object", "required": ["city", "known"],
+              "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "known": {"type": "boolean"}}}
+    answers = []
+    for lookup in (0, 4):
+        llm = tiny_chat(max_tokens=40, prompt_lookup=lookup)
+        answers.append((llm.invoke(_agent_history(PASSAGE)).content, llm.with_structured_output(schema).invoke("Where?")))
+    assert answers[0] == answers[1]
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        tiny_chat(prompt_lookup=-1)
+
+
 # ------------------------------------------------------------------ pure helpers
 def test_stop_sequences_and_tool_openers_are_held_back(tokenizer):
     ids = tokenizer("Hello wor", add_special_tokens=False)["input_ids"] + \

@@ -414,3 +414,37 @@ def test_a_short_packed_refresh_runs_on_the_blocks_like_the_dense_weights(real):
     for (k, v), (k2, v2) in zip(kvcache.layer_tensors(on_blocks), kvcache.layer_tensors(dense)):
         torch.testing.assert_close(k, k2, atol=ROWS_ATOL, rtol=0)
         torch.testing.assert_close(v, v2, atol=ROWS_ATOL, rtol=0)
+
+
+def _thp_eligible(address: int) -> bool | None:
+    """smaps' THPeligible flag of the mapping holding ``address`` (None: not readable here)."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    return None
+
+
+def test_engine_buffers_ask_for_huge_pages_without_changing_their_rows():
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this system")
+    if "[madvise]" not in mode:
+        pytest.skip(f"transparent huge pages are not in madvise mode here ({mode.strip()})")
+    buffers = CacheBuffers(kv_heads=3, head_dim=64, dtype=torch.float32, device=torch.device("cpu"))
+    storage = buffers._empty(layers=30, capacity=2048)  # 47 MB per tensor, as a 2 K cache of SmolLM2
+    middle = storage.all_keys.data_ptr() + storage.all_keys.numel() * 2  # half way in (4-byte floats)
+    assert _thp_eligible(middle) is True
+    small = torch.empty(1000)
+    engine.buffers.huge_pages(small)  # too small to hold a 2 MB page: left alone
+    storage.all_keys.fill_(1.5)
+    assert bool((storage.all_keys == 1.5).all())

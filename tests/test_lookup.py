@@ -22,8 +22,11 @@ def test_propose_copies_what_followed_the_longest_recurring_suffix():
     assert propose(ids, 3) == [2, 3, 4]
     assert propose(ids, 1) == [2]
     assert propose([1, 2, 3, 9], 4) == []  # 9 never occurred before
-    assert propose([1, 2, 3, 1], 5) == [2, 3, 1]  # the continuation ends with the ids
+    assert propose([1, 2, 3, 1, 2], 5) == [3, 1, 2]  # the continuation ends with the ids
     assert propose([1, 2, 1], 0) == []
+    # one recurring token is a suffix only when asked for (the default needs two)
+    assert propose([4, 1, 5, 2, 1], 2) == []
+    assert propose([4, 1, 5, 2, 1], 2, min_ngram=1) == [5, 2]
 
 
 def _counting_forwards(monkeypatch) -> list[int]:
