@@ -68,16 +68,18 @@ def crop_to(cache: DynamicCache, length: int) -> None:
     extra = cache_length(cache) - length
     if extra <= 0:
         return
-    if not croppable(cache):
-        stuck = sorted({type(layer).__name__ for layer in cache.layers if not getattr(layer, "is_croppable", True)})
+    stuck = sorted({type(layer).__name__ for layer in cache.layers if not getattr(layer, "is_croppable", True)})
+    if stuck:
         raise ValueError(f"cannot drop {extra} rows from a cache with {', '.join(stuck)} layers (not croppable): "
                          "re-prefill into a fresh cache of the same kind instead")
     cache.crop(-extra)
 
 
-def croppable(cache: DynamicCache) -> bool:
-    """Whether :func:`crop_to` can drop rows of every layer (not a quantized cache's layers)."""
-    return all(getattr(layer, "is_croppable", True) for layer in cache.layers)
+def rows_stay_droppable(cache: DynamicCache) -> bool:
+    """Whether rows appended now can always be dropped again with :func:`crop_to`: every layer is
+    a plain full-attention ``DynamicLayer`` (a sliding-window layer past its window has discarded
+    the rows a crop would need, a quantized layer cannot crop its packed rows)."""
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def gather_rows(cache: DynamicCache, rows: torch.Tensor) -> DynamicCache:

@@ -476,8 +476,8 @@ class KVSession:
                 called once per picked token, in order, with or without prompt lookup.
             prompt_lookup: draft tokens checked per greedy forward (default: the session's
                 ``prompt_lookup``; 0: one token per forward). Greedy only: sampling always
-                decodes one token per forward. Caches whose rows cannot be dropped (quantized
-                caches) decode one token per forward too.
+                decodes one token per forward. Caches whose rows cannot always be dropped again
+                (quantized or sliding-window layers) decode one token per forward too.
 
         Raises:
             ValueError, RuntimeError, ContextOverflowError: as :meth:`generate`, when the
@@ -493,7 +493,7 @@ class KVSession:
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
         capacity = len(self.token_ids) + limit + ANSWER_END_ROWS
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
-        drafting = temperature <= 0 and lookup > 0 and kvcache.croppable(self.cache)
+        drafting = temperature <= 0 and lookup > 0 and kvcache.rows_stay_droppable(self.cache)
         self._draft = None
         try:
             for emitted in range(1, limit + 1):

@@ -1,15 +1,18 @@
 """The quantized Llama engine: the model's forward over GGUF blocks, writing a pre-allocated cache.
 
 One call, :meth:`QuantizedLlama.forward_rows`, computes rows ``[start, start+n)`` of every layer
-against the cached rows ``[0, start)`` and appends them: a decoded token (n = 1), an appended turn,
-a Re-prefill and the sequential executor's intervals that start at the end of a cache are all this
-call. It computes what transformers' ``LlamaForCausalLM`` computes with the same weights:
+against the cached rows ``[0, start)`` and appends them: a decoded token (n = 1), a draft to check,
+an appended turn, a Re-prefill and the sequential executor's intervals that start at the end of a
+cache are all this call. It computes what transformers' ``LlamaForCausalLM`` computes with the
+same weights:
 
-- linears multiply by the Q4_1 / Q8_0 blocks the weights were dequantized from (verified equal
-  when the engine is built) for short inputs, where weight bytes bound the time, and by the
-  model's own dense fp32 weights for long ones (prefill), where FLOPs do;
-- norms, rotary angles and the activation are the model's own modules;
-- attention is SDPA over the cached rows (grouped-query heads, causal within the new rows).
+- short inputs (fewer than ``DENSE_FROM_ROWS`` rows, where weight bytes bound the time) run in one
+  C++ call through every layer (``LlamaDecoder.step`` / ``rows``): linears on the Q4_1 / Q8_0
+  blocks the weights were dequantized from (verified equal when the engine is built), the
+  model's norm weights, rotary angles from the model's own module, grouped-query attention over
+  the cached rows (causal within the new rows);
+- long ones (prefill), where FLOPs bound the time, run layer by layer on the model's own dense
+  fp32 weights (or bf16 copies) and its norm modules, with SDPA.
 
 Differences to transformers are fp32 summation order only (tested: logits within 1e-3 absolute,
 rows within 1e-4 relative). The weights are checked before every call: an in-place change to a
