@@ -7,7 +7,8 @@
 // from the file's fp16). The products use the factored form
 //     y = sum_blocks d * (q . x_block) + m * sum(x_block)
 // which equals x . dequantize(W) up to fp32 rounding (a different summation order than a dense
-// GEMV, like any other kernel). Reading the codes instead of dense fp32 weights moves 1/5 of the
+// GEMV, like any other kernel). The several-row kernel instead dequantizes each block once
+// (w = d * q + m, one FMA) and multiplies it with every activation row. Reading the codes instead of dense fp32 weights moves 1/5 of the
 // bytes per token, which is what bounds decoding speed on a CPU.
 //
 // Rows of the output are split over torch's intra-op threads (at::parallel_for).
@@ -155,25 +156,23 @@ void q4_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
              const float* xs, float* y, int64_t N, int64_t row_begin, int64_t row_end) {
   const int64_t nb = K / kBlock;
 #if defined(__AVX512F__)
-  {
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
-      const float* xm = x + m0 * K;
-      float* ym = y + m0 * N;
-      switch (std::min(kMaxM, M - m0)) {
-        case 1: q4_rows_r<1>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-        case 2: q4_rows_r<2>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-        case 3: q4_rows_r<3>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-        case 4: q4_rows_r<4>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-        case 5: q4_rows_r<5>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-        case 6: q4_rows_r<6>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-        case 7: q4_rows_r<7>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-        default: q4_rows_r<8>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-      }
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    switch (std::min(kMaxM, M - m0)) {
+      case 1: q4_rows_r<1>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+      case 2: q4_rows_r<2>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+      case 3: q4_rows_r<3>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+      case 4: q4_rows_r<4>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+      case 5: q4_rows_r<5>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+      case 6: q4_rows_r<6>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+      case 7: q4_rows_r<7>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
+      default: q4_rows_r<8>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
     }
-    return;
   }
+  return;
 #endif
-  for (int64_t o = row_begin; o < row_end; ++o) {  // portable path (and a one-row weight)
+  for (int64_t o = row_begin; o < row_end; ++o) {  // portable path: the factored form
     const uint8_t* q = codes + o * nb * 16;
     for (int64_t i = 0; i < M; ++i) {
       const float* xr = x + i * K;
