@@ -18,6 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .errors import InputError, InputTypeError
+
 MAX_NGRAM = 3  # the longest suffix looked up (tokens); shorter suffixes are tried after it
 # the shortest: a single recurring token guesses too often wrong once a rejected row costs more
 # (at 8 K cached rows an extra row costs half a one-row step: see docs/engine.md)
@@ -43,3 +45,17 @@ def propose(token_ids: Sequence[int], tokens: int, max_ngram: int = MAX_NGRAM, m
             start = int(hits[-1]) + n
             return ids[start:start + tokens].tolist()
     return []
+
+
+def checked_prompt_lookup(tokens) -> int:
+    """``tokens`` as a draft length (``prompt_lookup`` settings).
+
+    Raises:
+        InputTypeError: not an int (bools included). InputError: negative.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise InputTypeError(f"prompt_lookup must be an int >= 0 (got {type(tokens).__name__} {tokens!r}); "
+                             "0 decodes one token per forward")
+    if tokens < 0:
+        raise InputError(f"prompt_lookup must be an int >= 0 (got {tokens}); 0 decodes one token per forward")
+    return tokens

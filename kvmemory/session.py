@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -17,7 +18,7 @@ from .edits import common_prefix_length, plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
 from .engine import status as engine_status
 from .executors.sequential import forward_rows
-from .lookup import propose
+from .lookup import checked_prompt_lookup, propose
 from .policy import RepairPolicy, RepairReport
 from .shift import RotaryShifter, ShiftUnsupportedError
 from .prompt import (
@@ -88,7 +89,8 @@ class KVSession:
             InputTypeError / InputError: malformed ``tools`` (see ``prompt.normalize_tools``).
         """
         _check_model_and_tokenizer(model, tokenizer)
-        self.prompt_lookup = _checked_lookup(prompt_lookup)
+        self.prompt_lookup = prompt_lookup
+        self._open_stream = None  # weak reference to the stream_tokens generator last handed out
         self.model = model
         self.tokenizer = tokenizer
         self.cache_factory = cache_factory or kvcache.new_cache
@@ -105,6 +107,15 @@ class KVSession:
         self._unreported_maintenance = None
         self._dropped_reason: str | None = None
         self.reset()
+
+    @property
+    def prompt_lookup(self) -> int:
+        """Draft tokens greedy decoding checks per forward (0: one token per forward)."""
+        return self._prompt_lookup
+
+    @prompt_lookup.setter
+    def prompt_lookup(self, tokens: int) -> None:
+        self._prompt_lookup = checked_prompt_lookup(tokens)
 
     @property
     def tools(self) -> list[dict[str, Any]] | None:
@@ -124,6 +135,8 @@ class KVSession:
     # ----------------------------------------------------------------- state
     def reset(self) -> None:
         """Forget everything (the next ``prepare`` re-prefills)."""
+        if getattr(self, "_open_stream", None) is not None:  # it must not append to the new state later
+            self.settle_stream()
         self.cache = self._new_cache()
         self.token_ids: list[int] = []
         self.exact_rows = 0  # leading rows equal to a Re-prefill; rows after it are stale
@@ -187,6 +200,7 @@ class KVSession:
 
     def fork(self) -> "KVSession":
         """An independent copy (cache cloned) sharing the model, e.g. to try several repairs."""
+        self.settle_stream()
         other = object.__new__(KVSession)
         other.__dict__.update(self.__dict__)
         other.cache = kvcache.clone_cache(self.cache)
@@ -224,8 +238,10 @@ class KVSession:
             ValueError: ``erase`` is not ``"strict"`` / ``"none"``, or strict erase with ``dirty``.
         The session is unchanged when an error is raised before repair starts; if the repair
         itself fails, the session resets (the next call re-prefills) and the error propagates.
+        A suspended stream is closed first (see :meth:`stream_tokens`).
         """
         t0 = time.perf_counter()
+        self.settle_stream()
         if tools is not KEEP_TOOLS:
             self.tools = tools
         policy = RepairPolicy.coerce(policy) if policy is not None else self.policy
@@ -465,7 +481,9 @@ class KVSession:
         A yielded token's row is computed when the iteration resumes or is closed, so a streamed
         chunk never waits for a forward pass. The session is consistent whenever the iterator is
         not suspended: closing it early leaves the answer so far in the cache (the last yielded
-        token included) with its next-token logits pending (like a ``length`` stop). After an
+        token included) with its next-token logits pending (like a ``length`` stop). A stream left
+        suspended (a ``for`` loop left with ``break``) is closed that way by the session's next
+        ``prepare``, ``stream_tokens``, ``generate``, ``fork`` or ``check_invariants``. After an
         end-of-turn token, ``next_logits`` is None.
 
         Args:
@@ -483,8 +501,23 @@ class KVSession:
             ValueError, RuntimeError, ContextOverflowError: as :meth:`generate`, when the
                 iteration starts.
         """
+        self.settle_stream()
+        stream = self._decode(max_new_tokens, temperature, seed, logits_processor, prompt_lookup)
+        self._open_stream = weakref.ref(stream)
+        return stream
+
+    def settle_stream(self) -> None:
+        """Close this session's suspended stream, if any (its last yielded token gets its row, the
+        rows of an unchecked draft are dropped): the cache then holds exactly the streamed answer."""
+        stream = self._open_stream() if self._open_stream is not None else None
+        self._open_stream = None
+        if stream is not None and not stream.gi_running:
+            stream.close()
+
+    def _decode(self, max_new_tokens, temperature, seed, logits_processor, prompt_lookup) -> Iterator[int]:
+        """:meth:`stream_tokens`' generator (checks run when the iteration starts)."""
         _check_decoding(max_new_tokens, temperature, seed, logits_processor)
-        lookup = self.prompt_lookup if prompt_lookup is None else _checked_lookup(prompt_lookup)
+        lookup = self.prompt_lookup if prompt_lookup is None else checked_prompt_lookup(prompt_lookup)
         if self.next_logits is None:
             raise RuntimeError("call prepare(messages) before generate(): the cache has no pending prompt")
         self._check_fits(len(self.token_ids))
@@ -689,7 +722,9 @@ class KVSession:
 
     def check_invariants(self) -> None:
         """Raise AssertionError unless the cached ids equal the tokenization of the held messages
-        (followed by generated tokens) and the cache has one row per id."""
+        (followed by generated tokens) and the cache has one row per id (a suspended stream is
+        closed first, see :meth:`stream_tokens`)."""
+        self.settle_stream()
         assert kvcache.cache_length(self.cache) == len(self.token_ids), "cache rows != token ids"
         if self.rendered is not None:
             if self.answer_committed:
@@ -738,12 +773,6 @@ def _check_decoding(max_new_tokens, temperature, seed, logits_processor) -> None
         raise InputTypeError(f"seed must be an int or None (got {type(seed).__name__})")
     if logits_processor is not None and not callable(logits_processor):
         raise InputTypeError("logits_processor must be callable as processor(input_ids, scores)")
-
-
-def _checked_lookup(tokens) -> int:
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise InputError(f"prompt_lookup must be an int >= 0 (got {tokens!r}); 0 decodes one token per forward")
-    return tokens
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator) -> int:

@@ -43,6 +43,7 @@ from kvmemory.errors import InputError, InputTypeError, MessageError
 from kvmemory.models import LoadedModel, embedded_model_dir, load_model
 from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import normalize_messages, render_text
+from kvmemory.lookup import checked_prompt_lookup
 from kvmemory.session import PROMPT_LOOKUP_TOKENS
 from kvmemory.threads import ThreadCaches
 
@@ -313,6 +314,8 @@ class ChatKVMemory(BaseChatModel):
             return values
         values = fold_aliases(values, "ChatKVMemory(...)")
         reject_unknown(values, cls.model_fields, "ChatKVMemory(...)")
+        if "prompt_lookup" in values:  # the session's own check: no bools or strings coerced to ints
+            checked_prompt_lookup(values["prompt_lookup"])
         if "dtype" in values or "device" in values:
             device = normalize_device(values.get("device"))
             dtype = normalize_dtype(values.get("dtype", "fp32"))

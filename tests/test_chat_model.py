@@ -143,6 +143,8 @@ def test_prompt_lookup_changes_no_answer_even_under_a_grammar(tiny_chat):
     assert answers[0] == answers[1]
     with pytest.raises(ValueError, match="prompt_lookup"):
         tiny_chat(prompt_lookup=-1)
+    with pytest.raises(TypeError, match="prompt_lookup"):
+        tiny_chat(prompt_lookup=True)  # not coerced to 1
 
 
 # ------------------------------------------------------------------ pure helpers

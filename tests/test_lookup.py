@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import QuantizedCache
 
-from kvmemory import InputError, KVSession, engine, kvcache
+from kvmemory import InputError, InputTypeError, KVSession, engine, kvcache
 from kvmemory.executors.sequential import forward_rows
 from kvmemory.lookup import propose
 from kvmemory_lab.tiny import tiny_loaded
@@ -115,9 +115,34 @@ def test_sampling_and_quantized_caches_decode_one_token_per_forward(tiny, monkey
 
 
 def test_bad_prompt_lookup_values_say_what_to_pass(tiny):
-    for bad in (-1, 2.5, True, "3"):
-        with pytest.raises(InputError, match="prompt_lookup must be an int >= 0"):
+    session = KVSession(tiny.model, tiny.tokenizer)
+    for bad in (-1, 2.5, True, "3", None):
+        with pytest.raises((InputError, InputTypeError), match="prompt_lookup must be an int >= 0"):
             KVSession(tiny.model, tiny.tokenizer, prompt_lookup=bad)
+        with pytest.raises((InputError, InputTypeError), match="prompt_lookup must be an int >= 0"):
+            session.prompt_lookup = bad  # settable later, checked the same way
+    assert session.prompt_lookup == 2
+
+
+def test_a_stream_left_suspended_is_closed_by_the_next_call(tiny):
+    _, plain = _answer(tiny, history(), 0, tokens=12)
+    session = KVSession(tiny.model, tiny.tokenizer, prompt_lookup=4)
+    session.prepare(history())
+    prompt = len(session.token_ids)
+    stream = session.stream_tokens(48)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break  # the generator stays alive (and suspended) in `stream`
+    session.check_invariants()  # closes it first: exactly the 4 streamed tokens are cached
+    assert session.token_ids[prompt:] == plain.token_ids[:4]
+    assert session.generate(8).token_ids == plain.token_ids[4:12]
+    again = session.stream_tokens(8)
+    next(again)
+    fork = session.fork()  # closes it too: both copies hold the same answered rows
+    assert fork.token_ids == session.token_ids
+    fork.check_invariants()
+    del stream, again  # closing them now changes nothing
+    session.check_invariants()
 
 
 def test_engine_rows_of_a_draft_equal_transformers_at_every_position(real):
