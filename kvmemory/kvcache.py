@@ -75,11 +75,13 @@ def crop_to(cache: DynamicCache, length: int) -> None:
     cache.crop(-extra)
 
 
-def rows_stay_droppable(cache: DynamicCache) -> bool:
-    """Whether rows appended now can always be dropped again with :func:`crop_to`: every layer is
-    a plain full-attention ``DynamicLayer`` (a sliding-window layer past its window has discarded
-    the rows a crop would need, a quantized layer cannot crop its packed rows)."""
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
+def plain_layers(cache) -> bool:
+    """True when every layer is a plain full-attention ``DynamicLayer``: what the engine writes,
+    and a cache whose appended rows can always be dropped again with :func:`crop_to` (a
+    sliding-window layer past its window has discarded the rows a crop would need, a quantized
+    layer cannot crop its packed rows)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
 
 def gather_rows(cache: DynamicCache, rows: torch.Tensor) -> DynamicCache:

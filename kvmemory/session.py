@@ -526,7 +526,7 @@ class KVSession:
         limit = min(max_new_tokens, (self.max_context or 1 << 30) - len(self.token_ids))
         capacity = len(self.token_ids) + limit + ANSWER_END_ROWS
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
-        drafting = temperature <= 0 and lookup > 0 and kvcache.rows_stay_droppable(self.cache)
+        drafting = temperature <= 0 and lookup > 0 and kvcache.plain_layers(self.cache)
         self._draft = None
         try:
             for emitted in range(1, limit + 1):

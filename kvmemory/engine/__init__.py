@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from .. import kvcache
-from .buffers import plain_layers
 from ..errors import EngineUnsupportedError, InputError
 from .llama import DENSE_FROM_ROWS, QuantizedLlama, _Layer
 from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_gguf_blocks  # noqa: F401  (re-exported)
@@ -105,7 +104,7 @@ def status(model) -> EngineStatus:
 def engine_for(model, cache) -> QuantizedLlama | None:
     """The quantized engine to append rows of ``cache`` with, or None (use transformers)."""
     engine = _attached.get(model)
-    if engine is None or not plain_layers(cache) or unusable_reason(engine):
+    if engine is None or not kvcache.plain_layers(cache) or unusable_reason(engine):
         return None
     return engine
 

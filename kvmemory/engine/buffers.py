@@ -24,7 +24,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 @dataclass
 class _Storage:
@@ -223,9 +222,3 @@ def _prefix_of(view: torch.Tensor, published: torch.Tensor, rows: int) -> bool:
     """``view`` is rows ``[0, rows)`` of ``published`` (same memory, same strides)."""
     return (view.data_ptr() == published.data_ptr() and view.stride() == published.stride()
             and view.shape[:2] == published.shape[:2] and view.shape[2] == rows and view.shape[3] == published.shape[3])
-
-
-def plain_layers(cache) -> bool:
-    """True when every layer is a plain full-attention ``DynamicLayer`` (what the engine writes)."""
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)

@@ -232,9 +232,9 @@ def _watch(model) -> tuple[list, list]:
 
 
 def _causal_mask(start: int, n: int) -> torch.Tensor | None:
-    """Boolean ``[n, start+n]`` (True = attend) for n > 1 new rows after ``start`` > 0 cached ones;
-    None for one row (it sees everything) and for a prefill from row 0 (SDPA's causal kernel)."""
-    if n == 1 or start == 0:
+    """Boolean ``[n, start+n]`` (True = attend) for n new rows after ``start`` > 0 cached ones;
+    None for a prefill from row 0 (SDPA's causal kernel)."""
+    if start == 0:
         return None
     rows = torch.arange(start, start + n)[:, None]
     return torch.arange(start + n)[None, :] <= rows

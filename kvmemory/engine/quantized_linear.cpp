@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -31,6 +32,22 @@ constexpr int64_t kMaxM = 8;  // activation rows handled together (one pass over
 // One-row (decode) kernels read each weight once per token from memory: they prefetch the rows
 // this many rows ahead of use (prefetches never fault, also past the end).
 constexpr int64_t kPrefetchRows = 16;
+
+// Calls f(std::integral_constant<int, R>{}) with R = count (1..kMaxM; larger counts give kMaxM):
+// the several-row kernels are templates on their activation row count.
+template <typename F>
+void with_row_count(int64_t count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
 
 void check_inputs(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& d, int64_t code_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
@@ -159,16 +176,9 @@ void q4_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
   for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
     const float* xm = x + m0 * K;
     float* ym = y + m0 * N;
-    switch (std::min(kMaxM, M - m0)) {
-      case 1: q4_rows_r<1>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-      case 2: q4_rows_r<2>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-      case 3: q4_rows_r<3>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-      case 4: q4_rows_r<4>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-      case 5: q4_rows_r<5>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-      case 6: q4_rows_r<6>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-      case 7: q4_rows_r<7>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-      default: q4_rows_r<8>(xm, K, codes, d, m, ym, N, row_begin, row_end); break;
-    }
+    with_row_count(std::min(kMaxM, M - m0), [&](auto rows) {
+      q4_rows_r<decltype(rows)::value>(xm, K, codes, d, m, ym, N, row_begin, row_end);
+    });
   }
   return;
 #endif
@@ -512,16 +522,9 @@ torch::Tensor q4_1_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor
     for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
       const Q4Activation* a = acts.data() + m0;
       float* ym = yp + m0 * N;
-      switch (std::min(kMaxM, M - m0)) {
-        case 1: q4_rows_i8<1>(a, K, qp, dp, mp, ym, N, begin, end); break;
-        case 2: q4_rows_i8<2>(a, K, qp, dp, mp, ym, N, begin, end); break;
-        case 3: q4_rows_i8<3>(a, K, qp, dp, mp, ym, N, begin, end); break;
-        case 4: q4_rows_i8<4>(a, K, qp, dp, mp, ym, N, begin, end); break;
-        case 5: q4_rows_i8<5>(a, K, qp, dp, mp, ym, N, begin, end); break;
-        case 6: q4_rows_i8<6>(a, K, qp, dp, mp, ym, N, begin, end); break;
-        case 7: q4_rows_i8<7>(a, K, qp, dp, mp, ym, N, begin, end); break;
-        default: q4_rows_i8<8>(a, K, qp, dp, mp, ym, N, begin, end); break;
-      }
+      with_row_count(std::min(kMaxM, M - m0), [&](auto rows) {
+        q4_rows_i8<decltype(rows)::value>(a, K, qp, dp, mp, ym, N, begin, end);
+      });
     }
   });
   return y;
