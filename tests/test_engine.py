@@ -416,6 +416,41 @@ def test_a_short_packed_refresh_runs_on_the_blocks_like_the_dense_weights(real):
         torch.testing.assert_close(v, v2, atol=ROWS_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("count", [3, 14, DENSE_FROM_ROWS - 1])
+def test_a_packed_refresh_of_engine_rows_is_one_engine_call_with_the_same_rows(real, monkeypatch, count):
+    """After a deletion the repair's cache lives in the engine's storage: a short packed refresh
+    then runs every layer in one engine call (rows scattered over the cache, each attending its
+    causal prefix; 3 rows use per-head dot products, 14 and 23 the query-lanes kernel). Same rows
+    and logits as the layer-by-layer packed executor on the same blocks."""
+    session = KVSession(real.model, real.tokenizer)
+    session.prepare(history() + [QUERY])
+    n = len(session.token_ids)
+    kept = torch.cat([torch.arange(0, 30), torch.arange(60, n)])  # rows 30..59 deleted
+    ids = torch.tensor(session.token_ids)[kept]
+    g = torch.Generator().manual_seed(count)
+    positions = torch.cat([torch.sort(30 + torch.randperm(len(kept) - 31, generator=g)[: count - 1]).values,
+                           torch.tensor([len(kept) - 1])])
+    calls = []
+    original = type(engine.engine_for(real.model, session.cache)).refresh_rows
+    monkeypatch.setattr(type(engine.engine_for(real.model, session.cache)), "refresh_rows",
+                        lambda self, *a: calls.append(original(self, *a)) or calls[-1])
+    in_engine = engine.gather_rows(real.model, session.cache, kept)
+    copied = kvcache.from_tensors(kvcache.layer_tensors(in_engine))
+    _, fast = run_packed(real.model, in_engine, ids, positions, in_place=True)
+    assert len(calls) == 1 and calls[0] is not None  # the engine ran it
+    _, slow = run_packed(real.model, copied, ids, positions, in_place=True)
+    assert len(calls) == 2 and calls[1] is None  # not its storage: the layer-by-layer executor
+    torch.testing.assert_close(fast.next_logits, slow.next_logits, atol=LOGITS_ATOL, rtol=0)
+    for (k, v), (k2, v2) in zip(kvcache.layer_tensors(in_engine), kvcache.layer_tensors(copied)):
+        torch.testing.assert_close(k, k2, atol=ROWS_ATOL, rtol=0)
+        torch.testing.assert_close(v, v2, atol=ROWS_ATOL, rtol=0)
+    unchanged = torch.ones(len(kept), dtype=torch.bool)
+    unchanged[positions] = False
+    before = kvcache.layer_tensors(engine.gather_rows(real.model, session.cache, kept))
+    for (k, _), (k2, _) in zip(kvcache.layer_tensors(in_engine), before):
+        assert torch.equal(k[:, :, unchanged], k2[:, :, unchanged]) and not torch.equal(k, k2)
+
+
 def _thp_eligible(address: int) -> bool | None:
     """smaps' THPeligible flag of the mapping holding ``address`` (None: not readable here)."""
     try:

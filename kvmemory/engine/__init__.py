@@ -132,6 +132,18 @@ def block_linears(model, cache, rows: int):
     return engine.block_linears()
 
 
+def refresh_rows(model, cache, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    """The packed refresh of the rows at ``positions`` (LongTensor ``[B]``, strictly increasing;
+    ``token_ids`` ``[B]`` their tokens) in one engine call, in place on ``cache``
+    (:meth:`QuantizedLlama.refresh_rows`), when the engine computes ``model``'s rows, its storage
+    backs ``cache`` (``gather_rows`` made it) and B < ``DENSE_FROM_ROWS``. Returns the fp32 logits
+    ``[vocab]`` after the last position, or None when it did not run (nothing written)."""
+    engine = engine_for(model, cache)
+    if engine is None or positions.numel() >= DENSE_FROM_ROWS:
+        return None
+    return engine.refresh_rows(cache, token_ids, positions)
+
+
 def unusable_reason(engine: QuantizedLlama) -> str | None:
     """Why an attached engine cannot compute rows right now (None: it can)."""
     reason = engine.stale_reason()

@@ -87,6 +87,13 @@ class CacheBuffers:
             storage.requested, storage.answer_room = capacity, max(capacity - start, 0)
         return storage
 
+    def owned(self, cache) -> _Storage | None:
+        """The storage whose published views ``cache`` holds now (every row of it), or None."""
+        storage = self._storage.get(cache)
+        if storage is None or storage.length != cache.get_seq_length() or not self._owns(cache, storage):
+            return None
+        return storage
+
     def gather(self, source, rows: torch.Tensor, target) -> None:
         """Fill ``target`` (an empty plain cache with as many layers as ``source``) with a copy of
         ``source``'s rows: target row j = source row ``rows[j]``, zero where ``rows[j] < 0`` (a
@@ -97,7 +104,7 @@ class CacheBuffers:
         old = self._storage.get(source)
         room = old.answer_room if old is not None else 0
         n = rows.shape[0]
-        whole = old if old is not None and old.length == source.get_seq_length() and self._owns(source, old) else None
+        whole = self.owned(source)
         storage = self._empty(len(target.layers), n + room)
         storage.all_keys[:, :, :, n:].zero_()
         storage.all_values[:, :, :, n:].zero_()

@@ -151,7 +151,7 @@ class QuantizedLlama:
             return logits[None] if every_row else logits
         if n < DENSE_FROM_ROWS:  # a short append or a draft to verify: one kernel call as well
             logits = self.decoder.rows(hidden, storage.all_keys, storage.all_values, cos[0].contiguous(),
-                                       sin[0].contiguous(), start, every_row)
+                                       sin[0].contiguous(), positions[0], every_row)
             self.buffers.publish(cache, storage, start + n)
             return logits if every_row else logits[0]
         mask = _causal_mask(start, n)
@@ -162,6 +162,30 @@ class QuantizedLlama:
         rows = hidden if every_row else hidden[-1:]
         logits = self.head(body.norm(rows), int8=self.int8)
         return logits if every_row else logits[0]
+
+    @torch.no_grad()
+    def refresh_rows(self, cache, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The packed layer-major refresh (paper §3.3, eqs. 21-22) of a few rows in one kernel call:
+        at every layer the rows at ``positions`` (LongTensor ``[B]``, strictly increasing, B <
+        ``DENSE_FROM_ROWS``) get fresh K/V, written into the cache first; then each attends to its
+        causal prefix of the updated cache. Same recurrence as
+        :func:`kvmemory.executors.packed.run_packed` on this engine's blocks (fp32 summation order
+        aside).
+
+        ``cache``: a cache whose rows this engine's storage holds (``gather_rows`` made it), rows
+        written in place. ``token_ids``: LongTensor ``[B]``, the tokens at ``positions``.
+        Returns fp32 logits ``[vocab]`` after the last position, or None when the storage does not
+        back ``cache`` (nothing written; refresh another way).
+        """
+        storage = self.buffers.owned(cache)
+        if storage is None:
+            return None
+        body = self.model.model
+        hidden = body.embed_tokens(token_ids)
+        cos, sin = body.rotary_emb(hidden[None], positions[None])
+        logits = self.decoder.rows(hidden, storage.all_keys, storage.all_values, cos[0].contiguous(),
+                                   sin[0].contiguous(), positions.contiguous(), False)
+        return logits[0]
 
     def _layer(self, layer: _Layer, hidden, keys, values, start, cos, sin, mask, bf16=None):
         """One decoder layer over many new rows on the model's dense weights (fp32, or the bf16

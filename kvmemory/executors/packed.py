@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 from .. import kvcache
 from ..engine import block_linears
+from ..engine import refresh_rows as engine_refresh_rows
 from ..errors import PackedUnsupportedError
 from ..capabilities import packed_unsupported_reason
 from .sequential import ForwardResult, check_positions, grow_to
@@ -84,8 +85,14 @@ def run_packed(
     target = cache if in_place else kvcache.from_tensors(kvcache.layer_tensors(cache))
     grow_to(target, n)
     pos = positions.to(weight.device)
-    # a few rows: the engine's blocks (1/5 of the dense weights' bytes, which bound such a refresh)
+    # a few rows: the engine's blocks (1/5 of the dense weights' bytes, which bound such a refresh),
+    # all layers in one engine call when its storage backs the cache
     blocks = block_linears(model, target, int(positions.numel())) if backend == "sdpa" else None
+    if blocks is not None:
+        logits = engine_refresh_rows(model, target, token_ids[positions], positions)
+        if logits is not None:
+            last = int(positions[-1]) == n - 1
+            return target, ForwardResult(next_logits=logits if last else None, forwarded_tokens=int(positions.numel()))
     hidden = _packed_hidden_states(model, target, token_ids.to(weight.device)[pos][None], pos, attend, write, blocks)
     logits = None
     if int(positions[-1]) == n - 1:
