@@ -214,7 +214,8 @@ def load_model(
             ``"q4_1_bf16"`` adds bf16 linears for prefills to ``"q4_1"`` (faster first call, lossy
             like the bf16 dtype; decoding stays exact), ``"q4_1_int8_bf16"`` to ``"q4_1_int8"``;
             ``"transformers"`` always uses the model's own forward. ``LoadedModel.engine`` says
-            which runs and why.
+            which runs and why. (``"cuda_graphs"`` attaches after the model is on a GPU: see
+            :func:`kvmemory.engine.attach`.)
 
     Returns:
         LoadedModel with the model in eval mode.
@@ -264,6 +265,10 @@ def _attach_engine(model, embedded: bool, engine: str) -> EngineStatus:
     (``kvmemory.engine.attach(model, gguf)`` adds them)."""
     if engine == "transformers":
         return attach_engine(model, "", engine)
+    if engine == "cuda_graphs":
+        raise InputError("engine='cuda_graphs' needs the model on a GPU: load_model(engine='transformers'), "
+                         "model.to('cuda'), then kvmemory.engine.attach(model, None, 'cuda_graphs') "
+                         "(ChatKVMemory(device='cuda', engine='cuda_graphs') does all three)")
     reason = "no GGUF blocks known for this model folder (kvmemory.engine.attach(model, gguf_path) adds them)"
     if embedded:
         try:

@@ -38,6 +38,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 import torch
 
+from kvmemory.engine import attach as attach_engine
 from kvmemory.guard import FidelityGuard, GuardConfig
 from kvmemory.errors import InputError, InputTypeError, MessageError
 from kvmemory.models import LoadedModel, embedded_model_dir, load_model
@@ -104,9 +105,13 @@ def _runtime(model: str, dtype: str, engine: str, device: str = "cpu") -> _Runti
     with _RUNTIMES_LOCK:
         key = (model, dtype, engine, device)
         if key not in _RUNTIMES:
-            loaded = load_model(None if model in ("smollm2", "") else model, dtype, engine=engine)
+            on_gpu = engine == "cuda_graphs"  # attached once the model is on its device
+            loaded = load_model(None if model in ("smollm2", "") else model, dtype,
+                                engine="transformers" if on_gpu else engine)
             if device != "cpu":
                 loaded.model.to(device)
+            if on_gpu:
+                loaded.engine = attach_engine(loaded.model, None, engine)
             _RUNTIMES[key] = _Runtime(loaded, template_renders_tools(loaded.tokenizer))
         return _RUNTIMES[key]
 
@@ -187,11 +192,12 @@ class ChatKVMemory(BaseChatModel):
     """Weights and cache dtype (CPU: fp32 is exact to Re-prefill, bf16 is faster). Alias
     ``torch_dtype``; accepts ``"float32"``/``torch.float32``, ``"bfloat16"``/``torch.bfloat16`` and
     ``"auto"`` (bf16 on CUDA, fp32 on CPU)."""
-    engine: Literal["auto", "q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16", "transformers"] = "auto"
+    engine: Literal["auto", "q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16", "cuda_graphs", "transformers"] = "auto"
     """What computes cache rows (``kvmemory.load_model(engine=...)``): ``"auto"`` runs the embedded
     model on its GGUF blocks (same weights, faster decoding on CPU) and other models on transformers;
     ``"q4_1_int8"`` adds int8 activations on decoded tokens (faster, lossy like llama.cpp),
     ``"q4_1_bf16"`` bf16 linears for prefills (faster first call, lossy like bf16), ``"q4_1_int8_bf16"`` both;
+    ``"cuda_graphs"`` (with ``device="cuda..."``) decodes each token as one captured CUDA graph, same weights;
     ``response_metadata["repair"]["engine"]`` says which ran and why."""
     device: str = "cpu"
     """Where the model runs (alias ``device_map``): ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"auto"``

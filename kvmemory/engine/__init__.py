@@ -12,6 +12,9 @@ measured tolerances); long inputs (prefill) still run the exact dense fp32 path.
 multiply bf16 copies of the weights in bf16 (oneDNN, AVX512-BF16), ~2.5x the fp32 GEMM speed for
 ~212 MB more weights (SmolLM2); lossy like the model's bf16 dtype; decoding stays exact fp32.
 ``"q4_1_int8_bf16"``: both (int8 activations on the block path, bf16 long inputs).
+``"cuda_graphs"``: for any model on a CUDA GPU the packed executor can run (Llama, Mistral,
+Qwen2/3): each decoded token replays one captured CUDA graph (:mod:`kvmemory.engine.graphs`);
+same weights and dtype. Asked for by name after moving the model (not part of ``"auto"``).
 
 The engine is a setting of the loaded model (every session on it shares it), chosen with
 :func:`attach` (``kvmemory.load_model(engine="auto")`` does it for the embedded model). Every
@@ -31,21 +34,22 @@ import torch
 
 from .. import kvcache
 from ..errors import EngineUnsupportedError, InputError
+from . import graphs
 from .llama import DENSE_FROM_ROWS, QuantizedLlama, _Layer
 from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_gguf_blocks  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("auto", "q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16", "transformers")
+ENGINES = ("auto", "q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16", "cuda_graphs", "transformers")
 BLOCK_ENGINES = ("q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16")  # the engines on the GGUF blocks (asked for by name: failures raise)
 
-_attached: "weakref.WeakKeyDictionary[torch.nn.Module, QuantizedLlama]" = weakref.WeakKeyDictionary()
+_attached: "weakref.WeakKeyDictionary[torch.nn.Module, QuantizedLlama | graphs.GraphDecoder]" = weakref.WeakKeyDictionary()
 _refused: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
 class EngineStatus:
-    """Which engine computes a model's rows: ``name`` (``"q4_1"`` / ``"q4_1_int8"`` / ``"transformers"``) and,
+    """Which engine computes a model's rows: ``name`` (an engine of :data:`ENGINES` other than ``"auto"``) and,
     for transformers, ``reason`` why the fast engine does not run (None when it was not asked)."""
 
     name: str
@@ -55,8 +59,9 @@ class EngineStatus:
         return {"name": self.name, "reason": self.reason}
 
 
-def attach(model, gguf: str | Path, engine: str = "auto") -> EngineStatus:
-    """Run ``model``'s row computations on the quantized engine built from ``gguf``.
+def attach(model, gguf: str | Path | None, engine: str = "auto") -> EngineStatus:
+    """Run ``model``'s row computations on the quantized engine built from ``gguf`` (or, with
+    ``engine="cuda_graphs"``, on captured CUDA graphs; ``gguf`` is then not read).
 
     Args:
         model: a transformers ``LlamaForCausalLM`` in fp32 on CPU, whose linear weights are the
@@ -65,8 +70,8 @@ def attach(model, gguf: str | Path, engine: str = "auto") -> EngineStatus:
         engine: ``"auto"`` (use ``"q4_1"`` when possible, else transformers, with the reason in
             :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"q4_1_int8"`` (the same
             with int8 activations on the block path; raise when it cannot run, e.g. no AVX-512
-            VNNI), ``"q4_1_bf16"`` (bf16 linears for long inputs), ``"q4_1_int8_bf16"`` (both), ``"transformers"``
-            (detach).
+            VNNI), ``"q4_1_bf16"`` (bf16 linears for long inputs), ``"q4_1_int8_bf16"`` (both),
+            ``"cuda_graphs"`` (a model on CUDA; raise when it cannot run), ``"transformers"`` (detach).
 
     Returns:
         EngineStatus of the model after the call.
@@ -81,6 +86,12 @@ def attach(model, gguf: str | Path, engine: str = "auto") -> EngineStatus:
     _attached.pop(model, None)
     _refused.pop(model, None)
     if engine == "transformers":
+        return status(model)
+    if engine == "cuda_graphs":
+        reason = graphs.unsupported_reason(model)
+        if reason:
+            raise EngineUnsupportedError(f"engine 'cuda_graphs': {reason}")
+        _attached[model] = graphs.GraphDecoder(model)
         return status(model)
     try:
         _attached[model] = build(model, Path(gguf), int8_activations="int8" in engine, bf16_prefill=engine.endswith("bf16"))
@@ -101,8 +112,8 @@ def status(model) -> EngineStatus:
     return EngineStatus("transformers", reason) if reason else EngineStatus(engine.kind)
 
 
-def engine_for(model, cache) -> QuantizedLlama | None:
-    """The quantized engine to append rows of ``cache`` with, or None (use transformers)."""
+def engine_for(model, cache) -> QuantizedLlama | graphs.GraphDecoder | None:
+    """The engine to append rows of ``cache`` with, or None (use transformers)."""
     engine = _attached.get(model)
     if engine is None or not kvcache.plain_layers(cache) or unusable_reason(engine):
         return None
@@ -127,7 +138,7 @@ def block_linears(model, cache, rows: int):
     bound it, and the blocks are 1/5 of the dense weights' bytes); None otherwise (use the model's
     own modules). Same products as the dense weights up to fp32 summation order."""
     engine = engine_for(model, cache)
-    if engine is None or rows >= DENSE_FROM_ROWS:
+    if not isinstance(engine, QuantizedLlama) or rows >= DENSE_FROM_ROWS:
         return None
     return engine.block_linears()
 
@@ -139,12 +150,12 @@ def refresh_rows(model, cache, token_ids: torch.Tensor, positions: torch.Tensor)
     backs ``cache`` (``gather_rows`` made it) and B < ``DENSE_FROM_ROWS``. Returns the fp32 logits
     ``[vocab]`` after the last position, or None when it did not run (nothing written)."""
     engine = engine_for(model, cache)
-    if engine is None or positions.numel() >= DENSE_FROM_ROWS:
+    if not isinstance(engine, QuantizedLlama) or positions.numel() >= DENSE_FROM_ROWS:
         return None
     return engine.refresh_rows(cache, token_ids, positions)
 
 
-def unusable_reason(engine: QuantizedLlama) -> str | None:
+def unusable_reason(engine: QuantizedLlama | graphs.GraphDecoder) -> str | None:
     """Why an attached engine cannot compute rows right now (None: it can)."""
     reason = engine.stale_reason()
     if reason and _has_lora(engine.model):

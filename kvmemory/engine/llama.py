@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .buffers import CacheBuffers
 from .quantized import Q4Linear, Q8Linear
+from .watch import WeightWatch
 
 DENSE_FROM_ROWS = 24  # inputs of this many rows or more use the dense fp32 weights (compute-bound)
 
@@ -72,7 +73,7 @@ class QuantizedLlama:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.heads
         self.scale = layers[0].module.self_attn.scaling
         self.buffers = CacheBuffers(self.kv_heads, self.head_dim, torch.float32, torch.device("cpu"))
-        self._watched = _watch(model)
+        self._watched = WeightWatch.of(model)
         self.decoder = self._decoder()
 
     def _decoder(self):
@@ -99,16 +100,9 @@ class QuantizedLlama:
         return copies + self.head.nbytes + sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes for l in self.layers)
 
     def stale_reason(self) -> str | None:
-        """Why the blocks may no longer equal the model's weights (None: they do). Checked before
-        every call (~0.1 ms): each module is still in its place (an adapter wraps modules) and
-        each parameter is the same tensor at the same version (in-place writes bump it)."""
-        modules, params = self._watched
-        if not all(parent.get(name) is module for parent, name, module in modules):
-            name = next(name for parent, name, module in modules if parent.get(name) is not module)
-            return f"module {name!r} was replaced (an adapter or a patch wraps it)"
-        if not all(held.get(attr) is param and param._version == version for held, attr, param, version in params):
-            return "a model weight was modified in place after the engine was built"
-        return None
+        """Why the blocks may no longer equal the model's weights (None: they do; see
+        :class:`~kvmemory.engine.watch.WeightWatch`). Checked before every call."""
+        return self._watched.stale_reason()
 
     def block_linears(self) -> "BlockLinears":
         """This engine's linears on its blocks, as :meth:`forward_rows` runs them for short inputs
@@ -240,19 +234,6 @@ def _bf16_weights(module) -> dict[str, torch.Tensor]:
 
 def _bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(torch.bfloat16), weight).float()
-
-
-def _watch(model) -> tuple[list, list]:
-    """What :meth:`QuantizedLlama.stale_reason` compares: ``(parent's module dict, name, module)``
-    for every module with parameters and ``(module's parameter dict, name, parameter, version)``
-    for each of their parameters (flat lists: the check runs before every decoded token)."""
-    modules, params = [], []
-    for parent in model.modules():
-        for name, module in parent._modules.items():
-            if module is not None and module._parameters:
-                modules.append((parent._modules, name, module))
-                params += [(module._parameters, a, p, p._version) for a, p in module._parameters.items() if p is not None]
-    return modules, params
 
 
 def _causal_mask(start: int, n: int) -> torch.Tensor | None:

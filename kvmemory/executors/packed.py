@@ -93,7 +93,7 @@ def run_packed(
         if logits is not None:
             last = int(positions[-1]) == n - 1
             return target, ForwardResult(next_logits=logits if last else None, forwarded_tokens=int(positions.numel()))
-    hidden = _packed_hidden_states(model, target, token_ids.to(weight.device)[pos][None], pos, attend, write, blocks)
+    hidden = packed_hidden_states(model, target, token_ids.to(weight.device)[pos][None], pos, attend, write, blocks)
     logits = None
     if int(positions[-1]) == n - 1:
         decoder = model.get_decoder()
@@ -106,10 +106,15 @@ def run_packed(
     return target, ForwardResult(next_logits=logits, forwarded_tokens=int(positions.numel()))
 
 
-def _packed_hidden_states(model, cache: DynamicCache, ids: torch.Tensor, pos: torch.Tensor, attend, write, blocks=None):
-    """The B-row hidden-state buffer ``[1, B, hidden]`` after the last layer (before the final norm);
-    every layer's fresh K/V are written into ``cache`` on the way. ``blocks``: the engine's block
-    linears (:func:`kvmemory.engine.block_linears`) used instead of the modules' dense weights."""
+def packed_hidden_states(model, cache, ids: torch.Tensor, pos: torch.Tensor, attend, write, blocks=None):
+    """The packed traversal (eqs. 21-22): the B-row hidden-state buffer ``[1, B, hidden]`` after
+    the last layer (before the final norm) for tokens ``ids`` ``[1, B]`` at positions ``pos``
+    ``[B]``. At each layer ``write(keys, values, k, v)`` stores the rows' fresh K/V in
+    ``cache.layers[i]`` (anything with ``keys`` / ``values`` tensors ``[1, kv_heads, rows,
+    head_dim]``), then ``attend(q, keys, values, scale)`` returns their attention output
+    ``[1, heads, B, head_dim]``. ``blocks``: the engine's block linears
+    (:func:`kvmemory.engine.block_linears`) used instead of the modules' dense weights. Also
+    the ``"cuda_graphs"`` engine's decode step (:mod:`kvmemory.engine.graphs`)."""
     decoder = model.get_decoder()
     plain_mlps = [is_plain_mlp(layer.mlp) for layer in decoder.layers]  # checked once, not per layer call
     with torch.no_grad():
