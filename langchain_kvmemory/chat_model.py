@@ -49,6 +49,7 @@ from kvmemory.session import PROMPT_LOOKUP_TOKENS
 from kvmemory.threads import ThreadCaches
 
 from .constrained import AnswerBudget, BudgetSpent, Grammars, processor, response_schema
+from .leased_streams import OpenStreams
 from .messages import session_message, to_session_messages
 from .options import fold_aliases, normalize_device, normalize_dtype, reject_unknown
 from .sampling import LogprobRecorder, Sampling
@@ -281,6 +282,7 @@ class ChatKVMemory(BaseChatModel):
     _guards: dict[tuple[str, str], FidelityGuard] = PrivateAttr(default_factory=dict)
     _registries: dict[tuple[str, str], ThreadCaches] = PrivateAttr(default_factory=dict)
     _registry_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _open_streams: OpenStreams = PrivateAttr(default_factory=OpenStreams)
 
     _pinned: _Runtime | None = PrivateAttr(default=None)
 
@@ -496,6 +498,9 @@ class ChatKVMemory(BaseChatModel):
                     run_manager.on_llm_new_token(value)
             elif kind == "end":
                 end = value
+        if end is None:
+            raise RuntimeError("the answer was closed by a later call on the same thread id from the main thread "
+                               "(a callback that calls the model on its own thread id?): use another thread id there")
         message = AIMessage(id=message_id, content=end["content"], tool_calls=end["tool_calls"],
                             invalid_tool_calls=end["invalid_tool_calls"], usage_metadata=end["usage"],
                             response_metadata=end["metadata"])
@@ -536,6 +541,13 @@ class ChatKVMemory(BaseChatModel):
         gets (id ``message_id``; a cut answer as its returned text, see ``KVSession.commit_answer``)."""
         kwargs = fold_aliases(kwargs, "call keyword arguments")
         call = self._plan_call(messages, stop, run_manager, kwargs)
+        key = (call.model_name, call.thread_id)
+        if self._open_streams.close_abandoned(key):  # else this call would wait for it forever
+            log.info("kvmemory: closed a stream the main thread left suspended on thread %r", call.logical_thread)
+        yield from self._open_streams.wrap(key, self._decode_leased(call, message_id, kwargs))
+
+    def _decode_leased(self, call: "_Call", message_id: str, kwargs: dict[str, Any]) -> Iterator[tuple]:
+        """:meth:`_decode` once the call is planned: the thread's lease held while it runs."""
         registry = self.threads_for(call.model_name)
         with registry.lease(call.thread_id, reserve_tokens=self._reserve_tokens(call, registry)) as session:
             policy, report, erased = self._prepare_thread(session, registry, call, kwargs)

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import signal
+import threading
+
 import pytest
 import torch
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -23,6 +26,11 @@ from support import tiny_model
 
 PASSAGE = ("Ostrava Nova was founded in 1873 by the engineer Ilse Marrow. The town lies on the Mira River. "
            "Its mill was the first in the valley.")
+
+
+@pytest.fixture(scope="module")
+def real_chat(real):
+    return lambda **kw: ChatKVMemory(model=real, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +101,47 @@ def test_stream_gives_usage_once_on_the_last_chunk(tiny_chat):
     assert chunks[-1].chunk_position == "last"
     assert [c.usage_metadata is not None for c in chunks].count(True) == 1
     assert chunks[-1].response_metadata["model_name"] == "tiny-llama"
+
+
+def test_a_stream_left_suspended_is_closed_by_the_next_call_on_the_main_thread(real_chat):
+    """A script's ``s = chat.stream(...); next(s)`` then ``chat.invoke(...)`` on the same thread
+    id: nothing could ever resume the stream, so the call closes it instead of waiting forever
+    (an alarm turns a hang into a failure). Its answer equals a fresh model's; the abandoned
+    stream just ends."""
+    chat, cfg = real_chat(max_tokens=24), {"configurable": {"thread_id": "abandoned"}}
+
+    def hung(signum, frame):
+        raise TimeoutError("the second call waited for the suspended stream")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(300)
+    try:
+        stream = chat.stream("Tell me a long story about a lighthouse.", config=cfg)
+        first = next(stream).content
+        answer = chat.invoke("Say hi.", config=cfg).content
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert first and "".join(c.content for c in stream) == ""
+    assert answer == real_chat(max_tokens=24).invoke("Say hi.").content
+    with chat.threads_for().lease("abandoned") as session:
+        session.check_invariants()
+
+
+def test_a_call_from_another_os_thread_waits_for_a_suspended_stream(real_chat):
+    """The same situation on another OS thread may be two workers of a pool on one thread id: the
+    second waits until the stream is consumed (calls on one thread never interleave)."""
+    chat, cfg, out = real_chat(max_tokens=12), {"configurable": {"thread_id": "shared"}}, {}
+    stream = chat.stream("Tell me a long story about a lighthouse.", config=cfg)
+    first = next(stream).content
+    waiting = threading.Thread(target=lambda: out.update(answer=chat.invoke("Say hi.", config=cfg).content), daemon=True)
+    waiting.start()
+    waiting.join(3.0)
+    assert waiting.is_alive() and "answer" not in out  # holds while the stream holds the thread
+    rest = "".join(c.content for c in stream)
+    waiting.join(300)
+    assert not waiting.is_alive() and out["answer"]
+    assert first + rest
 
 
 def test_forced_tool_calls_parse_with_ids_even_on_a_random_model(tiny_chat):
