@@ -16,6 +16,7 @@ names the fix.
     ├── ShiftUnsupportedError (ValueError)      a RoPE that cannot be shifted exactly
     ├── PackedUnsupportedError (ValueError)     a model the packed executor cannot run
     ├── TritonUnavailableError (RuntimeError)   the Triton backend cannot launch here
+    ├── ThreadBusyError (TimeoutError)          another call held a thread longer than a call waits
     ├── AdapterUpdateError (RuntimeError)       an online LoRA step failed (rolled back)
     ├── SelectionError (RuntimeError)           internal: an allocator broke its contract
     └── UnitPartitionError (RuntimeError)       internal: units do not partition the suffix
@@ -91,6 +92,11 @@ class TritonUnavailableError(KVMemoryError, RuntimeError):
     """The Triton backend cannot launch here; the message names the fix."""
 
 
+class ThreadBusyError(KVMemoryError, TimeoutError):
+    """Another call held the thread for longer than this call would wait
+    (``ThreadCaches.lease(..., wait_s=...)``); nothing was changed: retry, or use another thread id."""
+
+
 class AdapterUpdateError(KVMemoryError, RuntimeError):
     """An online LoRA step (``OnlineAdapter.update``) failed after it may have changed weights:
     they were rolled back, with the optimizer state, to ``version`` (the adapter digest before
@@ -113,3 +119,20 @@ class EngineUnsupportedError(InputError):
     """The fast engine cannot run this model (architecture, dtype, adapters, weights that are not
     its GGUF blocks, no compiler for its kernel); the message says which. ``engine="auto"`` then
     runs transformers' forward instead and reports the reason."""
+
+
+def reject_unknown_names(what: str, given, known) -> None:
+    """Raise for names in ``given`` outside ``known`` (the settings ``what`` accepts), suggesting
+    the closest known name for each.
+
+    Raises:
+        InputError: naming each unknown name, its closest known one and every accepted name.
+    """
+    import difflib
+
+    known = sorted(set(known))
+    unknown = [k for k in given if k not in known]
+    if unknown:
+        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(str(k), known, n=1)) else "")
+                 for k in unknown]
+        raise InputError(f"{what} does not know {', '.join(hints)}; accepted: {', '.join(known)}")

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
-from .errors import InputError, InputTypeError
+from .errors import InputError, InputTypeError, reject_unknown_names
 from .selection import ALLOCATOR_NAMES
 
 Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
@@ -81,7 +81,14 @@ class RepairPolicy(BaseModel):
             executor or backend.
     """
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data):
+        if isinstance(data, dict):  # a typo (bugdet=50) names the field it meant, not just "extra input"
+            reject_unknown_names("RepairPolicy", data, cls.model_fields)
+        return data
 
     operator: Operator = "refresh"
     # strict: "5" or True are mistakes, not 5.0 / 1.0

@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from . import kvcache
-from .errors import CacheStateError
+from .errors import CacheStateError, ThreadBusyError
 from .policy import RepairPolicy
 from .prompt import TemplateError, normalize_messages, render_prompt
 from .reforge.versions import LayerAnchors, base_weights_digest
@@ -328,7 +328,7 @@ class ThreadCaches:
             return entry
 
     @contextmanager
-    def lease(self, thread_id: str, *, reserve_tokens: int = 0) -> Iterator[KVSession]:
+    def lease(self, thread_id: str, *, reserve_tokens: int = 0, wait_s: float | None = None) -> Iterator[KVSession]:
         """Exclusive use of a thread's session (created on first use) for one model call.
 
         Calls on the same thread wait for each other; calls on different threads run freely.
@@ -343,16 +343,19 @@ class ThreadCaches:
                 concurrent calls never hold more K/V than the budget (one call alone larger than
                 the whole budget still runs, and its thread is dropped after it). 0: no
                 reservation (the budget is then enforced only when the lease ends).
+            wait_s: the longest wait for another call on the thread to end (None: as long as it takes).
 
         Raises:
             TypeError: ``thread_id`` is not a str or int.
+            ThreadBusyError (TimeoutError): another call held the thread for more than ``wait_s`` seconds.
         """
         thread_id = _check_id(thread_id)
         ticket = self._admit(thread_id, max(0, int(reserve_tokens)) * self.bytes_per_token)
         try:
             while True:
                 entry = self._entry(thread_id)
-                entry.lock.acquire()
+                if not entry.lock.acquire(timeout=-1 if wait_s is None else wait_s):
+                    raise ThreadBusyError(f"thread {thread_id!r} was held by another call for more than {wait_s} s")
                 if self._entries.get(thread_id) is entry:
                     break
                 entry.lock.release()  # evicted while we waited for it: take a fresh session

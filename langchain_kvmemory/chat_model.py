@@ -102,6 +102,21 @@ _RUNTIMES: dict[tuple[str, str, str], _Runtime] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 
+def _checked_stops(stop) -> list[str]:
+    """A call's stop sequences as a list (one string is one sequence, as in other LangChain chat
+    models; empty strings dropped).
+
+    Raises:
+        InputTypeError: not a string or a list / tuple of strings.
+    """
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise InputTypeError(f"stop must be a string or a list of strings (got {stop!r}), e.g. stop=['\\n\\n']")
+    return [s for s in stops if s]
+
+
 def _runtime(model: str, dtype: str, engine: str, device: str = "cpu") -> _Runtime:
     with _RUNTIMES_LOCK:
         key = (model, dtype, engine, device)
@@ -336,6 +351,9 @@ class ChatKVMemory(BaseChatModel):
         # bad settings fail at construction, naming the fix (pydantic wraps them in a ValidationError)
         _check_call_settings(self.repair_policy, self.max_tokens, self.temperature, self.timeout)
         self._sampling({})
+        if self.engine == "cuda_graphs" and not self.device.startswith("cuda"):
+            raise InputError(f"engine='cuda_graphs' decodes on a GPU: pass device='cuda' (or 'cuda:N') with it "
+                             f"(device is {self.device!r}), or use engine='auto' on CPU")
         return self
 
     def _sampling(self, kwargs: dict[str, Any]) -> Sampling:
@@ -544,12 +562,13 @@ class ChatKVMemory(BaseChatModel):
         key = (call.model_name, call.thread_id)
         if self._open_streams.close_abandoned(key):  # else this call would wait for it forever
             log.info("kvmemory: closed a stream the main thread left suspended on thread %r", call.logical_thread)
-        yield from self._open_streams.wrap(key, self._decode_leased(call, message_id, kwargs))
+        yield from self._open_streams.wrap(key, self._decode_leased(call, key, message_id, kwargs))
 
-    def _decode_leased(self, call: "_Call", message_id: str, kwargs: dict[str, Any]) -> Iterator[tuple]:
-        """:meth:`_decode` once the call is planned: the thread's lease held while it runs."""
+    def _decode_leased(self, call: "_Call", key: tuple, message_id: str, kwargs: dict[str, Any]) -> Iterator[tuple]:
+        """:meth:`_decode` once the call is planned: the thread's lease held while it runs (a
+        stream left unread on it is closed after a while, see ``leased_streams``)."""
         registry = self.threads_for(call.model_name)
-        with registry.lease(call.thread_id, reserve_tokens=self._reserve_tokens(call, registry)) as session:
+        with self._open_streams.lease(registry, call.thread_id, key, self._reserve_tokens(call, registry)) as session:
             policy, report, erased = self._prepare_thread(session, registry, call, kwargs)
             self._settle_tool_choice(session, call)
             processors, budget, recorder = self._processors(session, call)
@@ -606,7 +625,7 @@ class ChatKVMemory(BaseChatModel):
             model_name=model_name, runtime=runtime, tools=tools, choice=choice,
             grammar=None if scored else self._grammar(runtime, tools, choice, requested, parallel),
             messages=session_messages,
-            stops=[s for s in (stop if stop is not None else self.stop) or [] if s],
+            stops=_checked_stops(stop if stop is not None else self.stop),
             max_tokens=int(kwargs.get("max_tokens") or self.max_tokens),
             timeout=kwargs.get("timeout", self.timeout), thread_id=slot, logical_thread=thread_id,
             prompt=prompt, requested=requested, parallel=parallel, scored=scored,

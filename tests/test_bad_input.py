@@ -144,6 +144,15 @@ def test_repair_policy_budget_outside_0_100_or_of_another_type(budget):
         RepairPolicy(budget=budget)
 
 
+def test_a_misspelled_policy_or_guard_setting_names_the_one_meant():
+    from kvmemory.guard import GuardConfig
+
+    with pytest.raises(ValidationError, match="'bugdet' \\(did you mean 'budget'\\?\\)"):
+        RepairPolicy(bugdet=50)
+    with pytest.raises(ValidationError, match="'fractoin' \\(did you mean 'fraction'\\?\\)"):
+        GuardConfig(fractoin=0.2)
+
+
 def test_repair_refuses_a_cache_that_does_not_match_its_ids(session):
     from kvmemory.repair import RepairContext, repair
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import asyncio
 import signal
 import threading
 
@@ -16,7 +17,7 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
 from kvmemory.models import LoadedModel
-from langchain_kvmemory import ChatKVMemory
+from langchain_kvmemory import ChatKVMemory, leased_streams
 from langchain_kvmemory.streaming import TextWatcher
 from langchain_kvmemory.tool_policy import normalize_tool_choice
 from langchain_kvmemory.constrained import MAX_FREE_STRING_CHARS, capped_strings
@@ -128,9 +129,10 @@ def test_a_stream_left_suspended_is_closed_by_the_next_call_on_the_main_thread(r
         session.check_invariants()
 
 
-def test_a_call_from_another_os_thread_waits_for_a_suspended_stream(real_chat):
+def test_a_call_from_another_os_thread_waits_for_a_stream_being_read(real_chat, monkeypatch):
     """The same situation on another OS thread may be two workers of a pool on one thread id: the
-    second waits until the stream is consumed (calls on one thread never interleave)."""
+    second waits while the stream is read (calls on one thread never interleave)."""
+    monkeypatch.setattr(leased_streams, "ABANDONED_AFTER_S", 600.0)
     chat, cfg, out = real_chat(max_tokens=12), {"configurable": {"thread_id": "shared"}}, {}
     stream = chat.stream("Tell me a long story about a lighthouse.", config=cfg)
     first = next(stream).content
@@ -142,6 +144,47 @@ def test_a_call_from_another_os_thread_waits_for_a_suspended_stream(real_chat):
     waiting.join(300)
     assert not waiting.is_alive() and out["answer"]
     assert first + rest
+
+
+def test_a_stream_nobody_reads_is_closed_for_a_waiting_call_after_a_while(real_chat, monkeypatch):
+    """``async for ... break`` on ``astream`` and then ``ainvoke``, or a ``batch`` after a suspended
+    stream: the waiting call runs on an executor thread, where nothing proves the stream
+    abandoned but time. After ``ABANDONED_AFTER_S`` unread seconds it is closed; the answers equal
+    a fresh model's."""
+    monkeypatch.setattr(leased_streams, "ABANDONED_AFTER_S", 0.5)
+    chat, cfg = real_chat(max_tokens=16), {"configurable": {"thread_id": "unread"}}
+    fresh = real_chat(max_tokens=16)
+
+    async def abandon_then_ask():
+        stream = chat.astream("Tell me a long story about a dragon.", config=cfg)
+        async for _ in stream:
+            break
+        return await asyncio.wait_for(chat.ainvoke("What is the capital of France?", config=cfg), 300)
+
+    answer = asyncio.run(abandon_then_ask()).content
+    assert answer == fresh.invoke("What is the capital of France?").content
+    stream = chat.stream("Tell me a long story about a dragon.", config=cfg)
+    next(stream)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(chat.batch(["Say hi.", "Say bye."], config=cfg)), daemon=True)
+    worker.start()
+    worker.join(300)
+    assert done and [m.content for m in done[0]] == [m.content for m in fresh.batch(["Say hi.", "Say bye."])]
+
+
+def test_stop_accepts_one_string_and_refuses_other_types(tiny_chat):
+    llm = tiny_chat(max_tokens=8)
+    text = llm.invoke("Hello").content
+    assert len(text) > 2
+    cut = text[1:3]
+    assert llm.invoke("Hello", stop=cut).content == llm.invoke("Hello", stop=[cut]).content == text[: text.index(cut)]
+    with pytest.raises(TypeError, match="stop must be a string or a list of strings"):
+        llm.invoke("Hello", stop=5)
+
+
+def test_cuda_graphs_without_a_gpu_device_fails_at_construction():
+    with pytest.raises(ValueError, match="pass device='cuda'"):
+        ChatKVMemory(engine="cuda_graphs")
 
 
 def test_forced_tool_calls_parse_with_ids_even_on_a_random_model(tiny_chat):

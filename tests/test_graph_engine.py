@@ -89,8 +89,12 @@ def test_a_session_on_the_graph_engine_repairs_and_answers_like_transformers(mon
     assert "replaced" in engine.status(loaded.model).reason
 
 
-def test_the_graph_engine_says_how_to_attach_it():
+def test_the_graph_engine_says_how_to_attach_it(real):
     with pytest.raises(EngineUnsupportedError, match=r"model.to\('cuda'\)"):
         engine.attach(tiny_model(), None, "cuda_graphs")
+    before = engine.status(real.model)
+    with pytest.raises(EngineUnsupportedError, match="keeps engine 'q4_1'"):
+        engine.attach(real.model, None, "cuda_graphs")
+    assert engine.status(real.model) == before  # a refused request leaves the working engine
     with pytest.raises(InputError, match="ChatKVMemory\\(device='cuda', engine='cuda_graphs'\\)"):
         load_model(engine="cuda_graphs")

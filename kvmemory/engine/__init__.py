@@ -78,28 +78,33 @@ def attach(model, gguf: str | Path | None, engine: str = "auto") -> EngineStatus
 
     Raises:
         InputError: unknown ``engine``.
-        EngineUnsupportedError: ``engine="q4_1"`` / ``"q4_1_int8"`` and the model / file / machine
-            cannot run it.
+        EngineUnsupportedError: an engine asked for by name (``"q4_1"``, ``"q4_1_int8"``,
+            ``"cuda_graphs"``, ...) cannot run this model / file / machine; the model keeps the
+            engine it had.
     """
     if engine not in ENGINES:
         raise InputError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
-    _attached.pop(model, None)
-    _refused.pop(model, None)
     if engine == "transformers":
+        _attached.pop(model, None)
+        _refused.pop(model, None)
         return status(model)
     if engine == "cuda_graphs":
         reason = graphs.unsupported_reason(model)
-        if reason:
-            raise EngineUnsupportedError(f"engine 'cuda_graphs': {reason}")
-        _attached[model] = graphs.GraphDecoder(model)
-        return status(model)
-    try:
-        _attached[model] = build(model, Path(gguf), int8_activations="int8" in engine, bf16_prefill=engine.endswith("bf16"))
-    except EngineUnsupportedError as exc:
-        if engine in BLOCK_ENGINES:
-            raise
-        _refused[model] = str(exc)
-        log.info("kvmemory: the quantized engine does not run this model: %s", exc)
+        if reason:  # the engine the model has stays
+            raise EngineUnsupportedError(f"engine 'cuda_graphs': {reason} (the model keeps engine {status(model).name!r})")
+        built = graphs.GraphDecoder(model)
+    else:
+        try:
+            built = build(model, Path(gguf), int8_activations="int8" in engine, bf16_prefill=engine.endswith("bf16"))
+        except EngineUnsupportedError as exc:
+            if engine in BLOCK_ENGINES:  # asked for by name: raise, the engine the model has stays
+                raise
+            _attached.pop(model, None)
+            _refused[model] = str(exc)
+            log.info("kvmemory: the quantized engine does not run this model: %s", exc)
+            return status(model)
+    _attached[model] = built
+    _refused.pop(model, None)
     return status(model)
 
 
@@ -193,7 +198,8 @@ def _architecture_reason(model) -> str | None:
         return f"architecture {getattr(config, 'model_type', type(model).__name__)!r} (the engine runs Llama decoders)"
     params = list(model.parameters())
     if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
-        return "the model is not fp32 on CPU"
+        return ("the model is not fp32 on CPU (the engine runs the fp32 weights' GGUF blocks: load with dtype='fp32', "
+                "or engine='auto', which runs other dtypes and devices on transformers)")
     if _has_lora(model):
         return "a LoRA adapter is attached"
     if getattr(text, "attention_bias", False) or getattr(text, "mlp_bias", False):
