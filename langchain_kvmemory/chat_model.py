@@ -550,6 +550,11 @@ class ChatKVMemory(BaseChatModel):
             last = AIMessageChunk(id=message_id, content="", tool_call_chunks=calls, usage_metadata=value["usage"],
                                   response_metadata=value["metadata"], chunk_position="last")
             yield ChatGenerationChunk(message=last, generation_info={"finish_reason": value["metadata"]["finish_reason"]})
+            return
+        # no end: a later call on this thread closed the stream while nobody read it (leased_streams)
+        last = AIMessageChunk(id=message_id, content="", chunk_position="last",
+                              response_metadata={"finish_reason": "interrupted"})
+        yield ChatGenerationChunk(message=last, generation_info={"finish_reason": "interrupted"})
 
     def _decode(self, messages: Sequence[BaseMessage], stop: list[str] | None, message_id: str,
                 run_manager: CallbackManagerForLLMRun | None, **kwargs: Any) -> Iterator[tuple]:
