@@ -704,7 +704,7 @@ class ChatKVMemory(BaseChatModel):
                     break
                 if call.timeout is not None and time.perf_counter() - t0 > call.timeout:
                     reason = "timeout"
-                    log.warning("kvmemory: decoding stopped after the %.1f s timeout (thread %r)", call.timeout,
+                    log.warning("kvmemory: decoding stopped after the %g s timeout (thread %r)", call.timeout,
                                 call.thread_id)
                     break
             else:
