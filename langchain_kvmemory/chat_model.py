@@ -509,16 +509,13 @@ class ChatKVMemory(BaseChatModel):
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
         text, end = "", None
         message_id = _message_id(run_manager)
-        for kind, value in self._decode(messages, stop, message_id, run_manager, **kwargs):
+        for kind, value in self._decode(messages, stop, message_id, run_manager, closable=False, **kwargs):
             if kind == "text":
                 text += value
                 if run_manager:
                     run_manager.on_llm_new_token(value)
             elif kind == "end":
                 end = value
-        if end is None:
-            raise RuntimeError("the answer was closed by a later call on the same thread id from the main thread "
-                               "(a callback that calls the model on its own thread id?): use another thread id there")
         message = AIMessage(id=message_id, content=end["content"], tool_calls=end["tool_calls"],
                             invalid_tool_calls=end["invalid_tool_calls"], usage_metadata=end["usage"],
                             response_metadata=end["metadata"])
@@ -557,17 +554,20 @@ class ChatKVMemory(BaseChatModel):
         yield ChatGenerationChunk(message=last, generation_info={"finish_reason": "interrupted"})
 
     def _decode(self, messages: Sequence[BaseMessage], stop: list[str] | None, message_id: str,
-                run_manager: CallbackManagerForLLMRun | None, **kwargs: Any) -> Iterator[tuple]:
+                run_manager: CallbackManagerForLLMRun | None, closable: bool = True, **kwargs: Any) -> Iterator[tuple]:
         """Prepare the thread's cache for ``messages`` and decode, yielding ``("text", delta)``
         events for streamable text, ``("call", chunk)`` for each tool-call chunk completed and one
         final ``("end", result)``. The answer is then held in the cache as the message the caller
-        gets (id ``message_id``; a cut answer as its returned text, see ``KVSession.commit_answer``)."""
+        gets (id ``message_id``; a cut answer as its returned text, see ``KVSession.commit_answer``).
+        ``closable``: a stream another call may close when nobody reads it (``leased_streams``);
+        ``invoke`` reads its own events to the end, so it is never closed."""
         kwargs = fold_aliases(kwargs, "call keyword arguments")
         call = self._plan_call(messages, stop, run_manager, kwargs)
         key = (call.model_name, call.thread_id)
         if self._open_streams.close_abandoned(key):  # else this call would wait for it forever
             log.info("kvmemory: closed a stream the main thread left suspended on thread %r", call.logical_thread)
-        yield from self._open_streams.wrap(key, self._decode_leased(call, key, message_id, kwargs))
+        events = self._decode_leased(call, key, message_id, kwargs)
+        yield from self._open_streams.wrap(key, events) if closable else events
 
     def _decode_leased(self, call: "_Call", key: tuple, message_id: str, kwargs: dict[str, Any]) -> Iterator[tuple]:
         """:meth:`_decode` once the call is planned: the thread's lease held while it runs (a
