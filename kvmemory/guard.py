@@ -29,13 +29,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from . import kvcache
 from .executors.sequential import forward_rows
 from .divergence import first_token_kl
-from .errors import reject_unknown_names
-from .policy import RepairPolicy, RepairReport
+from .policy import RepairPolicy, RepairReport, Settings
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ DEFAULT_MEASURE = "teacher_forced"
 DEFAULT_THRESHOLD = 1e-2
 
 
-class GuardConfig(BaseModel):
+class GuardConfig(Settings):
     """Settings of the fidelity guard.
 
     Attributes:
@@ -60,15 +59,6 @@ class GuardConfig(BaseModel):
     Raises:
         pydantic.ValidationError (a ValueError): a value outside its range.
     """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_fields(cls, data):
-        if isinstance(data, dict):  # a typo (bugdet=50) names the field it meant, not just "extra input"
-            reject_unknown_names("GuardConfig", data, cls.model_fields)
-        return data
 
     fraction: float = Field(0.1, ge=0.0, le=1.0)
     threshold: float = Field(DEFAULT_THRESHOLD, ge=0.0)

@@ -21,7 +21,21 @@ Relevance = Literal["paper", "idf"]
 Ties = Literal["earliest", "latest"]
 
 
-class RepairPolicy(BaseModel):
+class Settings(BaseModel):
+    """Frozen settings whose unknown fields are refused naming the closest known one (a typo such
+    as ``bugdet=50`` says ``did you mean 'budget'?``, not just "extra input")."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data):
+        if isinstance(data, dict):
+            reject_unknown_names(cls.__name__, data, cls.model_fields)
+        return data
+
+
+class RepairPolicy(Settings):
     """How to repair a cache after a history edit (paper §7.1).
 
     - ``refresh``: Shift, then recompute B = min(S, ceil(S·b/100)) stale suffix positions chosen
@@ -81,14 +95,6 @@ class RepairPolicy(BaseModel):
             executor or backend.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_fields(cls, data):
-        if isinstance(data, dict):  # a typo (bugdet=50) names the field it meant, not just "extra input"
-            reject_unknown_names("RepairPolicy", data, cls.model_fields)
-        return data
 
     operator: Operator = "refresh"
     # strict: "5" or True are mistakes, not 5.0 / 1.0

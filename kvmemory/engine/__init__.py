@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from .. import kvcache
 from ..errors import EngineUnsupportedError, InputError
@@ -133,7 +134,9 @@ def gather_rows(model, cache, rows: torch.Tensor):
     engine = engine_for(model, cache)
     if engine is None:
         return kvcache.gather_rows(cache, rows)
-    return engine.gather_rows(cache, rows)
+    target = DynamicCache(config=model.config)
+    engine.buffers.gather(cache, rows, target)
+    return target
 
 
 def block_linears(model, cache, rows: int):

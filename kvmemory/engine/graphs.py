@@ -32,7 +32,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from .buffers import CacheBuffers
 from .watch import WeightWatch
@@ -78,13 +77,6 @@ class GraphDecoder:
     def stale_reason(self) -> str | None:
         """Why the captured weights may no longer be the model's (None: they are)."""
         return self._watched.stale_reason()
-
-    def gather_rows(self, cache, rows: torch.Tensor):
-        """:func:`kvmemory.kvcache.gather_rows` into this engine's capacity buffers (see
-        :meth:`kvmemory.engine.llama.QuantizedLlama.gather_rows`)."""
-        target = DynamicCache(config=self.model.config)
-        self.buffers.gather(cache, rows, target)
-        return target
 
     @torch.no_grad()
     def forward_rows(self, cache, token_ids: torch.Tensor, start: int, capacity: int | None = None,

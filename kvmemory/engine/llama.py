@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .buffers import CacheBuffers
@@ -114,14 +113,6 @@ class QuantizedLlama:
 
         layers = [(bound(l.qkv), bound(l.o), bound(l.gate_up), bound(l.down)) for l in self.layers]
         return BlockLinears(layers, bound(self.head))
-
-    def gather_rows(self, cache, rows: torch.Tensor):
-        """:func:`kvmemory.kvcache.gather_rows` into this engine's capacity-backed storage: a new
-        cache whose row j is a copy of ``cache``'s row ``rows[j]`` (LongTensor ``[n]``; -1 gives a
-        zero placeholder row)."""
-        target = DynamicCache(config=self.model.config)
-        self.buffers.gather(cache, rows, target)
-        return target
 
     @torch.no_grad()
     def forward_rows(self, cache, token_ids: torch.Tensor, start: int, capacity: int | None = None,

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -33,19 +34,16 @@ constexpr int64_t kMaxM = 8;  // activation rows handled together (one pass over
 // this many rows ahead of use (prefetches never fault, also past the end).
 constexpr int64_t kPrefetchRows = 16;
 
-// Calls f(std::integral_constant<int, R>{}) with R = count (1..kMaxM; larger counts give kMaxM):
-// the several-row kernels are templates on their activation row count.
-template <typename F>
-void with_row_count(int64_t count, F&& f) {
-  switch (count) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
+// Calls f(std::integral_constant<int, C>{}) with C = count clamped to [1, Max]: kernels that are
+// templates on a small count (activation rows, query vectors) dispatch through this.
+template <int Max, int C = 1, typename F>
+void with_count(int64_t count, F&& f) {
+  if constexpr (C >= Max) {
+    f(std::integral_constant<int, Max>{});
+  } else if (count <= C) {
+    f(std::integral_constant<int, C>{});
+  } else {
+    with_count<Max, C + 1>(count, std::forward<F>(f));
   }
 }
 
@@ -176,7 +174,7 @@ void q4_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
   for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
     const float* xm = x + m0 * K;
     float* ym = y + m0 * N;
-    with_row_count(std::min(kMaxM, M - m0), [&](auto rows) {
+    with_count<kMaxM>(M - m0, [&](auto rows) {
       q4_rows_r<decltype(rows)::value>(xm, K, codes, d, m, ym, N, row_begin, row_end);
     });
   }
@@ -522,7 +520,7 @@ torch::Tensor q4_1_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor
     for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
       const Q4Activation* a = acts.data() + m0;
       float* ym = yp + m0 * N;
-      with_row_count(std::min(kMaxM, M - m0), [&](auto rows) {
+      with_count<kMaxM>(M - m0, [&](auto rows) {
         q4_rows_i8<decltype(rows)::value>(a, K, qp, dp, mp, ym, N, begin, end);
       });
     }
@@ -795,18 +793,6 @@ constexpr int64_t kMaxLanes = 96;  // up to 6 vectors of queries per key/value g
 // Below this many query heads per group the per-head dot products cost less (measured at 2 K
 // cached rows, SmolLM2, 2 threads: 3 rows 10.6 vs 13 ms for 30 layers, 6 rows 18.6 vs 15.8, 14 rows 41 vs 27.5).
 constexpr int64_t kLanesFrom = 13;
-
-template <typename F>
-void with_vector_count(int64_t count, F&& f) {
-  switch (count) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
-  }
-}
 
 // S[r] = k[r] . qt for `width` key rows: each key element is broadcast against V query vectors;
 // four keys at a time keep 4 * V independent accumulators in flight.
@@ -1176,7 +1162,7 @@ class LlamaDecoder {
         scores.resize(width * width_lanes);
         for (int64_t g = 0; g < kv_heads_; ++g) {
           const int64_t part = (c * kv_heads_ + g) * width_lanes;
-          with_vector_count(vectors, [&](auto v) {
+          with_count<kMaxLanes / 16>(vectors, [&](auto v) {
             constexpr int V = decltype(v)::value;
             lane_scores<V>(qt.data() + g * D * width_lanes, keys + (g * capacity + r0) * D, width, D, scores.data());
             lane_softmax<V>(scores.data(), width, r0, last.data() + g * width_lanes, part_top.data() + part,
