@@ -3,6 +3,8 @@ guarantee of the session on top of it (Replay equals Re-prefill, forks, exports,
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from kvmemory.errors import EngineUnsupportedError
 from kvmemory.executors.packed import run_packed
 from kvmemory.executors.sequential import forward_rows
 from kvmemory.models import embedded_gguf_path
-from support import QUERY, history, reprefill_logits, tiny_model, without
+from support import QUERY, history, replaced, reprefill_logits, tiny_model, without
 
 # fp32 with another summation order than transformers' GEMMs: measured 2e-5 .. 5e-5 on logits of
 # magnitude ~20 (30 layers); a wrong row, position or weight moves logits by > 0.1.
@@ -145,6 +147,69 @@ def test_a_cropped_cache_keeps_its_buffer_and_loses_the_cropped_rows():
     assert (again.all_keys[0, :, :, 5:] == 0).all() and (again.all_values[0, :, :, 5:] == 0).all()
     buffers.publish(cache, again, 6)
     assert cache.get_seq_length() == 6 and cache.layers[0].keys.data_ptr() == storage.all_keys.data_ptr()
+
+
+def _dropped_buffer(buffers: CacheBuffers, rows: int, capacity: int) -> tuple[int, torch.Tensor]:
+    """The address of a buffer of ``capacity`` rows whose cache (``rows`` rows of 3.0) was dropped,
+    and a view a caller kept of its first layer's keys."""
+    cache = kvcache.from_tensors([(torch.full((1, 2, rows, 4), 3.0), torch.full((1, 2, rows, 4), 3.0))])
+    storage = buffers.reserve(cache, rows, 1, capacity=capacity)
+    buffers.publish(cache, storage, rows)
+    address, view = storage.all_keys.data_ptr(), cache.layers[0].keys
+    del cache, storage
+    gc.collect()
+    return address, view
+
+
+def test_a_dropped_cache_lends_its_memory_to_the_next_one_with_every_row_rewritten():
+    """Memory of a dropped cache serves the next buffer of about its size (no fresh pages to fault
+    in), once nothing views it: its rows are the new cache's, the spare rows zero."""
+    buffers = CacheBuffers(kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    address, view = _dropped_buffer(buffers, rows=5, capacity=8)
+    fresh = kvcache.from_tensors([(torch.ones(1, 2, 4, 4), torch.ones(1, 2, 4, 4))])
+    viewed = buffers.reserve(fresh, 4, 1, capacity=7)  # a caller still holds a view: not reused
+    assert viewed.all_keys.data_ptr() != address and (view == 3.0).all()
+    del view
+    gc.collect()
+    cache = kvcache.from_tensors([(torch.ones(1, 2, 4, 4), torch.ones(1, 2, 4, 4))])
+    again = buffers.reserve(cache, 4, 1, capacity=7)
+    assert again.all_keys.data_ptr() == address
+    for tensor in (again.all_keys, again.all_values):
+        assert (tensor[0, :, :, :4] == 1.0).all() and (tensor[0, :, :, 4:] == 0).all()
+
+
+def test_a_large_dropped_buffer_is_not_pinned_by_a_small_cache():
+    buffers = CacheBuffers(kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    address, view = _dropped_buffer(buffers, rows=5, capacity=40)
+    del view
+    cache = kvcache.from_tensors([(torch.ones(1, 2, 4, 4), torch.ones(1, 2, 4, 4))])
+    assert buffers.reserve(cache, 4, 1, capacity=8).all_keys.data_ptr() != address
+
+
+def _repaired_twice(real) -> tuple[KVSession, int]:
+    """A session after two replacement repairs, and the address of its first cache's memory."""
+    gc.collect()  # earlier tests' caches released now, not between the repairs
+    session = KVSession(real.model, real.tokenizer, policy="sur@5")
+    messages = history() + [QUERY]
+    session.prepare(messages)
+    first = kvcache.layer_tensors(session.cache)[0][0].data_ptr()
+    session.prepare(replaced(messages, "t2", "Port Calder has two lighthouses. The older one is a museum now."))
+    session.prepare(replaced(messages, "t2", "Port Calder has four lighthouses. The oldest dates from 1790."))
+    return session, first
+
+
+def test_repeated_repairs_reuse_the_replaced_cache_memory(real, monkeypatch):
+    """Each repair gathers the kept rows into a new buffer while the old cache is still read; from
+    the second one on, that buffer is the memory of the cache the previous repair replaced. The
+    repaired rows and answer are exactly those of fresh memory."""
+    session, first = _repaired_twice(real)
+    assert kvcache.layer_tensors(session.cache)[0][0].data_ptr() == first
+    monkeypatch.setattr(CacheBuffers, "_take_spare", lambda self, numel: None)
+    fresh, _ = _repaired_twice(real)
+    assert torch.equal(session.next_logits, fresh.next_logits)
+    for (k, v), (k2, v2) in zip(kvcache.layer_tensors(session.cache), kvcache.layer_tensors(fresh.cache)):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    session.check_invariants()
 
 
 def test_modified_weights_and_adapters_fall_back_to_transformers():

@@ -13,6 +13,12 @@ last answer's rows before the next turn); the rows cut off are zeroed before the
 Any other writer that replaced them (a transformers forward, a repair building a new cache)
 makes the next engine call copy the rows into a fresh buffer. So rows beyond a view are never
 visible to anyone else, and nothing is shared by accident (forks and exports copy rows).
+
+The memory of a buffer whose cache was dropped (the cache a repair replaced, an ended thread) is
+kept for the next buffer of the same size or a little smaller (at most ``SPARE_BUFFERS`` of them,
+and only once no tensor anywhere still views it), like the fixed K/V buffer of llama.cpp:
+fresh memory is zeroed by the kernel page by page on first write, which took 15-120 ms of a 2 K
+repair here, and reused memory is simply overwritten.
 """
 
 from __future__ import annotations
@@ -20,16 +26,21 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+SPARE_BUFFERS = 2  # released buffers kept for reuse per engine (each the size of one cache's K/V)
+
 
 @dataclass
 class _Storage:
     all_keys: torch.Tensor  # [layers, 1, kv_heads, capacity, head_dim]
     all_values: torch.Tensor
     published: list[tuple[torch.Tensor, torch.Tensor]]  # the views handed to the cache layers
+    memory: tuple[torch.Tensor, torch.Tensor]  # the flat fp32 tensors all_keys / all_values view
     length: int = 0  # rows of the published views
     answer_room: int = 0  # rows past the prompt the caller's last explicit capacity reserved
     requested: int | None = None  # that capacity
@@ -54,6 +65,8 @@ class CacheBuffers:
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
         self._storage: "weakref.WeakKeyDictionary[object, _Storage]" = weakref.WeakKeyDictionary()
+        self._spares: list[tuple[torch.Tensor, torch.Tensor]] = []  # released memory, newest last
+        self._spares_lock = threading.Lock()  # released from finalizers, on whichever thread collects
 
     def reserve(self, cache, start: int, rows: int, capacity: int | None = None) -> _Storage:
         """Storage whose rows ``[0, start)`` equal the cache's and that has room for ``rows`` more.
@@ -173,10 +186,31 @@ class CacheBuffers:
 
     def _empty(self, layers: int, capacity: int) -> _Storage:
         shape = (layers, 1, self.kv_heads, capacity, self.head_dim)
-        keys, values = (torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(2))
-        for tensor in (keys, values):
-            huge_pages(tensor)
-        return _Storage(keys, values, [])
+        numel = layers * self.kv_heads * capacity * self.head_dim
+        memory = self._take_spare(numel)
+        if memory is None:
+            memory = tuple(torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(2))
+            for tensor in memory:
+                huge_pages(tensor)
+        keys, values = (flat[:numel].view(shape) for flat in memory)
+        storage = _Storage(keys, values, [], memory)
+        weakref.finalize(storage, self._release, memory)  # the storage dropped: its memory may serve the next one
+        return storage
+
+    def _release(self, memory: tuple[torch.Tensor, torch.Tensor]) -> None:
+        with self._spares_lock:
+            self._spares = (self._spares + [memory])[-SPARE_BUFFERS:]
+
+    def _take_spare(self, numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Released memory for ``numel`` values per tensor (at most 1.5x that, so a small cache
+        does not pin a large one's memory) that no tensor views any more (a cache's views can
+        outlive its storage record, e.g. in a caller's copy of ``layer.keys``), or None."""
+        with self._spares_lock:
+            for i in range(len(self._spares) - 1, -1, -1):
+                memory = self._spares[i]
+                if numel <= memory[0].numel() <= numel * 3 // 2 and all(_unshared(t) for t in memory):
+                    return self._spares.pop(i)
+        return None
 
 
 HUGE_PAGE = 2 << 20
@@ -210,6 +244,19 @@ def _libc_madvise():
         return ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return None
+
+
+def _unshared(tensor: torch.Tensor) -> bool:
+    """No tensor but ``tensor`` refers to its memory (no view of it is alive anywhere). False
+    when this torch cannot tell (its storage reference count is not exposed): nothing is reused."""
+    if not hasattr(torch._C, "_storage_Use_Count"):
+        return False
+    return _storage_refs(tensor) <= _storage_refs(torch.empty(1))  # as for a tensor nobody else refers to
+
+
+def _storage_refs(tensor: torch.Tensor) -> int:
+    storage = tensor.untyped_storage()  # held while counting (a temporary handle could be freed first)
+    return torch._C._storage_Use_Count(storage._cdata)
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int, int]]:

@@ -126,16 +126,20 @@ void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float
 
 #if defined(__AVX512F__)
 // R activation rows (1 <= R <= 8) against P output rows from o (P = 2 share the activation loads):
-// each block is dequantized once (w = d * q + m, one rounding) and multiplied with every row;
-// the low and high halves keep separate accumulators (2PR independent FMA chains).
+// each block is dequantized once (w = d * q + m, one rounding) and multiplied with every row.
+// Few rows keep separate accumulators for the low and high halves (2PR independent FMA chains);
+// from 5 rows (P = 2) one per row and output row, so that every accumulator stays in one of the
+// 32 vector registers (2 * 2 * 8 would spill to the stack: 8 rows cost 2.3x 4 rows before).
 template <int R, int P>
 void q4_pair(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m, float* y,
              int64_t ldy, int64_t o) {
+  constexpr int A = 2 * P * R <= 16 ? 2 : 1;  // accumulators per (output row, activation row)
   const int64_t nb = K / kBlock;
   const __m512i low4 = _mm512_set1_epi32(0xF);
-  __m512 acc[P][R][2];
+  __m512 acc[P][R][A];
   for (int r = 0; r < P; ++r)
-    for (int i = 0; i < R; ++i) acc[r][i][0] = acc[r][i][1] = _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i)
+      for (int a = 0; a < A; ++a) acc[r][i][a] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 lo[P], hi[P];
     for (int r = 0; r < P; ++r) {
@@ -149,12 +153,13 @@ void q4_pair(const float* x, int64_t K, const uint8_t* codes, const float* d, co
       const __m512 x0 = _mm512_loadu_ps(x + i * K + b * kBlock), x1 = _mm512_loadu_ps(x + i * K + b * kBlock + 16);
       for (int r = 0; r < P; ++r) {
         acc[r][i][0] = _mm512_fmadd_ps(lo[r], x0, acc[r][i][0]);
-        acc[r][i][1] = _mm512_fmadd_ps(hi[r], x1, acc[r][i][1]);
+        acc[r][i][A - 1] = _mm512_fmadd_ps(hi[r], x1, acc[r][i][A - 1]);
       }
     }
   }
   for (int r = 0; r < P; ++r)
-    for (int i = 0; i < R; ++i) y[i * ldy + o + r] = hsum(_mm512_add_ps(acc[r][i][0], acc[r][i][1]));
+    for (int i = 0; i < R; ++i)
+      y[i * ldy + o + r] = hsum(A == 2 ? _mm512_add_ps(acc[r][i][0], acc[r][i][A - 1]) : acc[r][i][0]);
 }
 
 template <int R>
