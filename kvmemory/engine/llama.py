@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .buffers import CacheBuffers
-from .quantized import Q4Linear, Q8Linear
+from .quantized import Q4Linear, Q8Linear, on_huge_pages
 from .watch import WeightWatch
 
 DENSE_FROM_ROWS = 24  # inputs of this many rows or more use the dense fp32 weights (compute-bound)
@@ -60,8 +60,9 @@ class QuantizedLlama:
                  bf16_prefill: bool = False):
         text = model.config.get_text_config()
         self.model = model
-        self.layers = layers
-        self.head = head
+        moved = on_huge_pages([q for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head])
+        self.layers = [_Layer(*moved[4 * i:4 * i + 4], layer.module) for i, layer in enumerate(layers)]
+        self.head = moved[-1]
         self.int8 = int8_activations  # the block path (decode, short appends, head) rounds activations to int8
         self.kind = "q4_1" + ("_int8" if int8_activations else "") + ("_bf16" if bf16_prefill else "")
         # the dense path (>= DENSE_FROM_ROWS rows) in bf16: oneDNN's bf16 GEMMs (AVX512-BF16 / AMX)

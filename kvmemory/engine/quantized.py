@@ -10,6 +10,7 @@ named by a hash of the source and flags).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import EngineUnsupportedError
+from .buffers import huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,25 @@ class Q8Linear:
         scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float().contiguous()
         codes = blocks[..., 2:].reshape(raw.shape[0], -1).contiguous().view(torch.int8)
         return cls(codes, scales)
+
+
+def on_huge_pages(linears: list) -> list:
+    """Copies of ``linears`` (:class:`Q4Linear` / :class:`Q8Linear`) whose tensors lie one after
+    another in one buffer that Linux may back with 2 MB pages (:func:`~kvmemory.engine.buffers.huge_pages`).
+    A decoded token streams every block once (~110 MB for SmolLM2); in 4 KB pages that is ~27,000
+    TLB misses per token. Same values, same shapes; a hint only (nothing changes where it is not granted)."""
+    tensors = [getattr(lin, f.name) for lin in linears for f in dataclasses.fields(lin)]
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]  # 64-byte aligned slots
+    arena = torch.empty(sum(sizes), dtype=torch.uint8)
+    huge_pages(arena)
+    moved, offset = [], 0
+    for tensor, size in zip(tensors, sizes):
+        view = arena[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        moved.append(view)
+        offset += size
+    parts = iter(moved)
+    return [type(lin)(*(next(parts) for _ in dataclasses.fields(lin))) for lin in linears]
 
 
 def load_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | torch.Tensor]:

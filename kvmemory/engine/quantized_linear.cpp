@@ -766,6 +766,43 @@ inline __m512 dots16(const __m512 q[4], const float* k) {
   const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
 }
+// The G query heads of one key/value group against n key rows (D = 64): each key row is loaded
+// once for all G heads (q already scaled). S[h * n + r] = q_h . k_r.
+template <int G>
+void group_scores(const __m512 q[G][4], const float* k, int64_t n, float* S) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* kr = k + r * 64;
+    const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
+                 k3 = _mm512_loadu_ps(kr + 48);
+    for (int h = 0; h < G; ++h) {
+      const __m512 s = _mm512_fmadd_ps(q[h][1], k1, _mm512_mul_ps(q[h][0], k0));
+      S[h * n + r] = hsum(_mm512_fmadd_ps(q[h][3], k3, _mm512_fmadd_ps(q[h][2], k2, s)));
+    }
+  }
+}
+
+// out[h][64] = sum_r P[h * n + r] * v[r] for the G heads of one group: each value row is loaded
+// once for all G heads (weighted_rows per head would read it G times).
+template <int G>
+void group_weighted_rows(const float* P, const float* v, int64_t n, float* out) {
+  __m512 acc[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < n; ++r) {
+    const float* vr = v + r * 64;
+    const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
+                 v3 = _mm512_loadu_ps(vr + 48);
+    for (int h = 0; h < G; ++h) {
+      const __m512 p = _mm512_set1_ps(P[h * n + r]);
+      acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
+      acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
+      acc[h][2] = _mm512_fmadd_ps(p, v2, acc[h][2]);
+      acc[h][3] = _mm512_fmadd_ps(p, v3, acc[h][3]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * 64 + j * 16, acc[h][j]);
+}
 #endif
 
 // SiLU(gate) * up for n values
@@ -798,6 +835,7 @@ constexpr int64_t kMaxLanes = 96;  // up to 6 vectors of queries per key/value g
 // Below this many query heads per group the per-head dot products cost less (measured at 2 K
 // cached rows, SmolLM2, 2 threads: 3 rows 10.6 vs 13 ms for 30 layers, 6 rows 18.6 vs 15.8, 14 rows 41 vs 27.5).
 constexpr int64_t kLanesFrom = 13;
+constexpr int kMaxGroup = 4;  // query heads per key/value group the one-row step's fused path handles
 
 // S[r] = k[r] . qt for `width` key rows: each key element is broadcast against V query vectors;
 // four keys at a time keep 4 * V independent accumulators in flight.
@@ -1216,6 +1254,28 @@ class LlamaDecoder {
       for (int64_t c = begin; c < end; ++c) {
         const int64_t r0 = rows * c / chunks, n = rows * (c + 1) / chunks - r0;
         scores.resize(H * n);
+#if defined(__AVX512F__)
+        if (D == 64 && group <= kMaxGroup) {  // the group's heads share each key and value row load
+          with_count<kMaxGroup>(group, [&](auto count) {
+            constexpr int G = decltype(count)::value;
+            for (int64_t g = 0; g < kv_heads_; ++g) {
+              __m512 qg[G][4];
+              for (int h = 0; h < G; ++h)
+                for (int j = 0; j < 4; ++j)
+                  qg[h][j] = _mm512_mul_ps(_mm512_loadu_ps(q + (g * G + h) * D + j * 16), _mm512_set1_ps(float(scale_)));
+              float* sg = scores.data() + g * G * n;
+              group_scores<G>(qg, keys + (g * capacity + r0) * D, n, sg);
+              for (int h = 0; h < G; ++h) {
+                const int64_t slot = c * H + g * G + h;
+                part_top[slot] = max_of(sg + h * n, n);
+                part_total[slot] = exp_shifted_sum(sg + h * n, n, part_top[slot]);
+              }
+              group_weighted_rows<G>(sg, values + (g * capacity + r0) * D, n, part_out.data() + (c * H + g * G) * D);
+            }
+          });
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < kv_heads_; ++g) {
           const float* kg = keys + (g * capacity + r0) * D;
           for (int64_t r = 0; r < n; ++r) {
