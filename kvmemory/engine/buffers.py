@@ -40,7 +40,7 @@ class _Storage:
     all_keys: torch.Tensor  # [layers, 1, kv_heads, capacity, head_dim]
     all_values: torch.Tensor
     published: list[tuple[torch.Tensor, torch.Tensor]]  # the views handed to the cache layers
-    memory: tuple[torch.Tensor, torch.Tensor]  # the flat fp32 tensors all_keys / all_values view
+    memory: tuple[torch.Tensor, torch.Tensor]  # the flat tensors all_keys / all_values are views of
     length: int = 0  # rows of the published views
     answer_room: int = 0  # rows past the prompt the caller's last explicit capacity reserved
     requested: int | None = None  # that capacity

@@ -766,6 +766,7 @@ inline __m512 dots16(const __m512 q[4], const float* k) {
   const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
 }
+
 // The G query heads of one key/value group against n key rows (D = 64): each key row is loaded
 // once for all G heads (q already scaled). S[h * n + r] = q_h . k_r.
 template <int G>
