@@ -32,6 +32,8 @@ def test_demo_writes_every_method(tmp_path, real, capsys):
     assert adaptive["spent_budget"] is not None and 0 < adaptive["spent_budget"] <= 100
     assert replay["mean_kl"] < 1e-6  # Replay equals Re-prefill
     assert sur5["recomputed_tokens"] < replay["recomputed_tokens"] < ref["recomputed_tokens"]
+    for m in data["methods"].values():  # the summary table prints every figure whole, not cut to fit
+        assert f"{m['tf_kl']:.1e}" in printed and f"{m['mean_kl']:.2e}" in printed
 
 
 def test_demo_rejects_bad_budget(capsys):

@@ -172,14 +172,14 @@ def _check_demo_args(args) -> str | None:
 def _print_case(result) -> None:
     console.print(f"\n[bold]Q:[/bold] {result.question}   [bold]gold:[/bold] {result.gold}")
     console.print(f"prompt {result.prompt_tokens} tokens after deleting a {result.deleted_tokens}-token tool result")
-    table = Table(Column("method", no_wrap=True), "= re-prefill", "TF agree", "TF KL", "common prefix", "first-token KL", "recomputed",
-                  "budget %", "latency ms", "answer")
+    rows = []
     for m in result.methods:
         spent = "" if m.spent_budget is None else f"{m.spent_budget:.1f}"
-        table.add_row(m.method, "yes" if m.agrees else "no", f"{m.tf_agreement:.2f}", f"{m.tf_kl:.1e}",
-                      str(m.common_prefix), f"{m.kl:.2e}", str(m.recomputed_tokens), spent, f"{m.latency_ms:.0f}",
-                      _short(m.answer, 40))
-    console.print(table)
+        rows.append([m.method, "yes" if m.agrees else "no", f"{m.tf_agreement:.2f}", f"{m.tf_kl:.1e}",
+                     str(m.common_prefix), f"{m.kl:.2e}", str(m.recomputed_tokens), spent, f"{m.latency_ms:.0f}",
+                     _short(m.answer, 40)])
+    console.print(_table(["method", "same", "TF agree", "TF KL", "prefix", "KL", "tokens", "b %", "ms", "answer"], rows,
+                         title="same: the answer equals Re-prefill's; columns as in the summary below"))
 
 
 def _short(answer: str, width: int = 56) -> str:
@@ -188,16 +188,28 @@ def _short(answer: str, width: int = 56) -> str:
 
 
 def _print_aggregate(methods: dict, n: int) -> None:
-    table = Table(Column("method", no_wrap=True), "agreement [95 % CI]", "TF agreement [95 % CI]", "TF KL", "common prefix",
-                  "first-token KL", "EM", "gold in answer", "recomputed (mean)", "budget % (mean)",
-                  "latency ms (mean)", title=f"{n} cases")
+    rows = []
     for name, m in methods.items():
         (lo, hi), (tlo, thi) = m["agreement_ci"], m["tf_agreement_ci"]
         spent = "" if m["spent_budget"] is None else f"{m['spent_budget']:.1f}"
-        table.add_row(name, f"{m['agreement']:.2f} [{lo:.2f}, {hi:.2f}]", f"{m['tf_agreement']:.3f} [{tlo:.3f}, {thi:.3f}]",
-                      f"{m['tf_kl']:.1e}", f"{m['common_prefix']:.1f}", f"{m['mean_kl']:.2e}", f"{m['em']:.2f}",
-                      f"{m['gold_in_answer']:.2f}", f"{m['recomputed_tokens']:.0f}", spent, f"{m['latency_ms']:.0f}")
-    console.print(table)
+        rows.append([name, f"{m['agreement']:.2f} [{lo:.2f}, {hi:.2f}]", f"{m['tf_agreement']:.3f} [{tlo:.3f}, {thi:.3f}]",
+                     f"{m['tf_kl']:.1e}", f"{m['common_prefix']:.1f}", f"{m['mean_kl']:.2e}", f"{m['em']:.2f}",
+                     f"{m['gold_in_answer']:.2f}", f"{m['recomputed_tokens']:.0f}", spent, f"{m['latency_ms']:.0f}"])
+    console.print(_table(["method", "agree [CI]", "TF agree [CI]", "TF KL", "prefix", "KL", "EM", "gold", "tokens",
+                          "b %", "ms"], rows,
+                         title=f"{n} cases: means, 95 % intervals; KL of the first token; prefix shared with Re-prefill's "
+                               "answer; gold: the gold answer is in the answer; tokens recomputed; b: budget spent"))
+
+
+def _table(headers: list[str], rows: list[list[str]], title: str | None = None) -> Table:
+    """A rich table whose columns never cut a number: each is at least as wide as its longest
+    unbreakable word (a narrow console wraps headers and bracketed intervals instead)."""
+    widths = [max((len(word) for row in rows for word in row[i].split()), default=1) for i in range(len(headers))]
+    columns = [Column(h, min_width=w, no_wrap=i == 0) for i, (h, w) in enumerate(zip(headers, widths))]
+    table = Table(*columns, title=title)
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 if __name__ == "__main__":
