@@ -10,7 +10,7 @@ import torch
 
 from kvmemory import InputError, KVSession, engine, kvcache, load_model
 from kvmemory.engine.buffers import CacheBuffers
-from kvmemory.engine.llama import DENSE_FROM_ROWS
+from kvmemory.engine.llama import DENSE_FROM_ROWS, EXACT_DENSE_FROM_ROWS
 from kvmemory.engine.quantized import Q4Linear, Q8Linear
 from kvmemory.errors import EngineUnsupportedError
 from kvmemory.executors.packed import run_packed
@@ -73,6 +73,41 @@ def test_prefill_append_and_decode_equal_transformers(real):
     plain = kvcache.new_cache(real.model.config)
     with torch.no_grad():
         real.model(input_ids=ids[None], cache=plain, use_cache=True)
+    for (k, v), (k2, v2) in zip(kvcache.layer_tensors(fast), kvcache.layer_tensors(plain)):
+        torch.testing.assert_close(k, k2, atol=ROWS_ATOL, rtol=0)
+        torch.testing.assert_close(v, v2, atol=ROWS_ATOL, rtol=0)
+
+
+def test_appends_below_the_dense_threshold_run_on_the_blocks_like_transformers(real, monkeypatch):
+    """The exact engine computes appends of up to EXACT_DENSE_FROM_ROWS - 1 rows in one call on its
+    blocks (faster than the dense GEMMs there) and longer ones densely: every row's logits and
+    K/V equal transformers' (fp32 summation order)."""
+    ids = _prompt(real, 100 + 40 + EXACT_DENSE_FROM_ROWS)
+    fast = kvcache.new_cache(real.model.config)
+    quantized = engine.engine_for(real.model, fast)
+    decoder, calls = quantized.decoder, []
+
+    class Counted:  # the engine's C++ decoder, counting the rows of each several-row call
+        def rows(self, *args):
+            calls.append(args[0].shape[0])
+            return decoder.rows(*args)
+
+        def step(self, *args):
+            return decoder.step(*args)
+
+    monkeypatch.setattr(quantized, "decoder", Counted())
+    sizes = [100, 40, EXACT_DENSE_FROM_ROWS - 1, 1]
+    logits, start = [], 0
+    for n in sizes:
+        logits.append(forward_rows(real.model, fast, ids[start:start + n], start, every_row=True))
+        start += n
+    assert calls == [40, EXACT_DENSE_FROM_ROWS - 1]  # the prefill of 100 rows ran densely
+    with torch.no_grad():
+        ref = real.model(input_ids=ids[None, :start]).logits[0].float()
+    torch.testing.assert_close(torch.cat(logits), ref, atol=LOGITS_ATOL, rtol=0)
+    plain = kvcache.new_cache(real.model.config)
+    with torch.no_grad():
+        real.model(input_ids=ids[None, :start], cache=plain, use_cache=True)
     for (k, v), (k2, v2) in zip(kvcache.layer_tensors(fast), kvcache.layer_tensors(plain)):
         torch.testing.assert_close(k, k2, atol=ROWS_ATOL, rtol=0)
         torch.testing.assert_close(v, v2, atol=ROWS_ATOL, rtol=0)
@@ -460,14 +495,16 @@ def test_a_deletion_repair_hands_its_rows_to_the_next_answer_without_a_copy(real
 
 
 def test_a_short_packed_refresh_runs_on_the_blocks_like_the_dense_weights(real):
-    """A refresh of fewer than DENSE_FROM_ROWS rows multiplies on the engine's blocks (bytes bound
-    it): the same rows and logits as the model's dense modules up to fp32 summation order."""
+    """A refresh of fewer than the engine's dense_from_rows rows multiplies on its blocks (bytes
+    bound it): the same rows and logits as the model's dense modules up to fp32 summation order."""
     session = KVSession(real.model, real.tokenizer)
     session.prepare(history() + [QUERY])
     ids = torch.tensor(session.token_ids)
     positions = [5, 6, 7, 40, 41, 90, len(session.token_ids) - 1]
-    assert engine.block_linears(real.model, session.cache, len(positions)) is not None
-    assert engine.block_linears(real.model, session.cache, DENSE_FROM_ROWS) is None
+    dense_from = engine.engine_for(real.model, session.cache).dense_from_rows
+    assert dense_from == EXACT_DENSE_FROM_ROWS  # the exact engine: blocks up to 95 rows, then dense GEMMs
+    assert engine.block_linears(real.model, session.cache, dense_from - 1) is not None
+    assert engine.block_linears(real.model, session.cache, dense_from) is None
     on_blocks, fast = run_packed(real.model, session.cache, ids, positions)
     engine.attach(real.model, embedded_gguf_path(), "transformers")
     try:
@@ -481,12 +518,12 @@ def test_a_short_packed_refresh_runs_on_the_blocks_like_the_dense_weights(real):
         torch.testing.assert_close(v, v2, atol=ROWS_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("count", [3, 14, DENSE_FROM_ROWS - 1])
+@pytest.mark.parametrize("count", [3, 14, 23, 60])
 def test_a_packed_refresh_of_engine_rows_is_one_engine_call_with_the_same_rows(real, monkeypatch, count):
     """After a deletion the repair's cache lives in the engine's storage: a short packed refresh
     then runs every layer in one engine call (rows scattered over the cache, each attending its
-    causal prefix; 3 rows use per-head dot products, 14 and 23 the query-lanes kernel). Same rows
-    and logits as the layer-by-layer packed executor on the same blocks."""
+    causal prefix; 3 and 60 rows use per-head dot products, 14 and 23 the query-lanes kernel).
+    Same rows and logits as the layer-by-layer packed executor on the same blocks."""
     session = KVSession(real.model, real.tokenizer)
     session.prepare(history() + [QUERY])
     n = len(session.token_ids)

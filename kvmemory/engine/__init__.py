@@ -36,7 +36,7 @@ from transformers import DynamicCache
 from .. import kvcache
 from ..errors import EngineUnsupportedError, InputError
 from . import graphs
-from .llama import DENSE_FROM_ROWS, QuantizedLlama, _Layer
+from .llama import QuantizedLlama, _Layer
 from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_gguf_blocks  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
@@ -142,11 +142,11 @@ def gather_rows(model, cache, rows: torch.Tensor):
 def block_linears(model, cache, rows: int):
     """The attached engine's linears on its GGUF blocks (:meth:`QuantizedLlama.block_linears`) for
     a computation of ``rows`` new rows over ``cache``, when the engine computes ``model``'s rows
-    and would run such an input on its blocks (fewer than ``DENSE_FROM_ROWS`` rows: weight bytes
+    and would run such an input on its blocks (fewer than its ``dense_from_rows``: weight bytes
     bound it, and the blocks are 1/5 of the dense weights' bytes); None otherwise (use the model's
     own modules). Same products as the dense weights up to fp32 summation order."""
     engine = engine_for(model, cache)
-    if not isinstance(engine, QuantizedLlama) or rows >= DENSE_FROM_ROWS:
+    if not isinstance(engine, QuantizedLlama) or rows >= engine.dense_from_rows:
         return None
     return engine.block_linears()
 
@@ -155,10 +155,10 @@ def refresh_rows(model, cache, token_ids: torch.Tensor, positions: torch.Tensor)
     """The packed refresh of the rows at ``positions`` (LongTensor ``[B]``, strictly increasing;
     ``token_ids`` ``[B]`` their tokens) in one engine call, in place on ``cache``
     (:meth:`QuantizedLlama.refresh_rows`), when the engine computes ``model``'s rows, its storage
-    backs ``cache`` (``gather_rows`` made it) and B < ``DENSE_FROM_ROWS``. Returns the fp32 logits
+    backs ``cache`` (``gather_rows`` made it) and B < its ``dense_from_rows``. Returns the fp32 logits
     ``[vocab]`` after the last position, or None when it did not run (nothing written)."""
     engine = engine_for(model, cache)
-    if not isinstance(engine, QuantizedLlama) or positions.numel() >= DENSE_FROM_ROWS:
+    if not isinstance(engine, QuantizedLlama) or positions.numel() >= engine.dense_from_rows:
         return None
     return engine.refresh_rows(cache, token_ids, positions)
 

@@ -6,7 +6,7 @@ an appended turn, a Re-prefill and the sequential executor's intervals that star
 cache are all this call. It computes what transformers' ``LlamaForCausalLM`` computes with the
 same weights:
 
-- short inputs (fewer than ``DENSE_FROM_ROWS`` rows, where weight bytes bound the time) run in one
+- short inputs (fewer than ``dense_from_rows``: 96 rows exact, 24 with a lossy setting) run in one
   C++ call through every layer (``LlamaDecoder.step`` / ``rows``): linears on the Q4_1 / Q8_0
   blocks the weights were dequantized from (verified equal when the engine is built), the
   model's norm weights, rotary angles from the model's own module, grouped-query attention over
@@ -32,7 +32,13 @@ from .buffers import CacheBuffers
 from .quantized import Q4Linear, Q8Linear, on_huge_pages
 from .watch import WeightWatch
 
-DENSE_FROM_ROWS = 24  # inputs of this many rows or more use the dense fp32 weights (compute-bound)
+# Inputs of this many rows or more run layer by layer on the dense weights (compute-bound GEMMs);
+# fewer run in one call on the blocks. The exact engine's crossover, measured on its kernels: 43
+# appended rows 133 vs 220 ms at 2 K cached rows, 367 vs 449 ms at 8 K; 96 rows 876 vs 1,138 ms
+# at 8 K; 128 rows even at 8 K. The lossy settings keep 24 (int8 activations only on short inputs,
+# bf16 GEMMs from 24 rows).
+DENSE_FROM_ROWS = 24
+EXACT_DENSE_FROM_ROWS = 96
 
 
 @dataclass
@@ -65,7 +71,8 @@ class QuantizedLlama:
         self.head = moved[-1]
         self.int8 = int8_activations  # the block path (decode, short appends, head) rounds activations to int8
         self.kind = "q4_1" + ("_int8" if int8_activations else "") + ("_bf16" if bf16_prefill else "")
-        # the dense path (>= DENSE_FROM_ROWS rows) in bf16: oneDNN's bf16 GEMMs (AVX512-BF16 / AMX)
+        self.dense_from_rows = DENSE_FROM_ROWS if int8_activations or bf16_prefill else EXACT_DENSE_FROM_ROWS
+        # the dense path (>= dense_from_rows rows) in bf16: oneDNN's bf16 GEMMs (AVX512-BF16 / AMX)
         # on bf16 copies of the weights (fused like the blocks), fp32 in and out
         self.bf16 = [_bf16_weights(l.module) for l in layers] if bf16_prefill else None
         self.heads = text.num_attention_heads
@@ -135,7 +142,7 @@ class QuantizedLlama:
             logits = self.decoder.step(hidden[0], storage.all_keys, storage.all_values, cos[0, 0], sin[0, 0], start)
             self.buffers.publish(cache, storage, start + 1)
             return logits[None] if every_row else logits
-        if n < DENSE_FROM_ROWS:  # a short append or a draft to verify: one kernel call as well
+        if n < self.dense_from_rows:  # a short append or a draft to verify: one kernel call as well
             logits = self.decoder.rows(hidden, storage.all_keys, storage.all_values, cos[0].contiguous(),
                                        sin[0].contiguous(), positions[0], every_row)
             self.buffers.publish(cache, storage, start + n)
@@ -153,7 +160,7 @@ class QuantizedLlama:
     def refresh_rows(self, cache, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The packed layer-major refresh (paper §3.3, eqs. 21-22) of a few rows in one kernel call:
         at every layer the rows at ``positions`` (LongTensor ``[B]``, strictly increasing, B <
-        ``DENSE_FROM_ROWS``) get fresh K/V, written into the cache first; then each attends to its
+        ``dense_from_rows``) get fresh K/V, written into the cache first; then each attends to its
         causal prefix of the updated cache. Same recurrence as
         :func:`kvmemory.executors.packed.run_packed` on this engine's blocks (fp32 summation order
         aside).
