@@ -40,7 +40,6 @@ class _Storage:
     all_keys: torch.Tensor  # [layers, 1, kv_heads, capacity, head_dim]
     all_values: torch.Tensor
     published: list[tuple[torch.Tensor, torch.Tensor]]  # the views handed to the cache layers
-    memory: tuple[torch.Tensor, torch.Tensor]  # the flat tensors all_keys / all_values are views of
     length: int = 0  # rows of the published views
     answer_room: int = 0  # rows past the prompt the caller's last explicit capacity reserved
     requested: int | None = None  # that capacity
@@ -193,8 +192,9 @@ class CacheBuffers:
             for tensor in memory:
                 huge_pages(tensor)
         keys, values = (flat[:numel].view(shape) for flat in memory)
-        storage = _Storage(keys, values, [], memory)
-        weakref.finalize(storage, self._release, memory)  # the storage dropped: its memory may serve the next one
+        storage = _Storage(keys, values, [])
+        # the storage dropped: the flat memory its views show may serve the next one
+        weakref.finalize(storage, self._release, memory)
         return storage
 
     def _release(self, memory: tuple[torch.Tensor, torch.Tensor]) -> None:
