@@ -63,7 +63,9 @@ def test_prefill_append_and_decode_equal_transformers(real):
     fast = kvcache.new_cache(real.model.config)
     assert engine.engine_for(real.model, fast) is not None
     logits = [forward_rows(real.model, fast, ids[:120], 0), forward_rows(real.model, fast, ids[120:125], 120)]
-    logits += [forward_rows(real.model, fast, ids[i : i + 1], i) for i in range(125, 160)]
+    # a 3-row draft check (every row's logits) takes the grouped attention, 5 rows the lane one
+    logits += list(forward_rows(real.model, fast, ids[125:128], 125, every_row=True))
+    logits += [forward_rows(real.model, fast, ids[i : i + 1], i) for i in range(128, 160)]
     # reference: transformers' own forward (no cache) at each position
     with torch.no_grad():
         ref = real.model(input_ids=ids[None]).logits[0].float()

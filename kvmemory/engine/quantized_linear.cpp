@@ -833,10 +833,11 @@ void rotate(float* v, const float* cos, const float* sin, int64_t dim) {
 // Few-row attention with query heads in vector lanes (LlamaDecoder::attend_rows_in_lanes): scores
 // S [rows][V * 16], queries transposed qt [D][V * 16], one lane per query head.
 constexpr int64_t kMaxLanes = 96;  // up to 6 vectors of queries per key/value group
-// Below this many query heads per group the per-head dot products cost less (measured at 2 K
-// cached rows, SmolLM2, 2 threads: 3 rows 10.6 vs 13 ms for 30 layers, 6 rows 18.6 vs 15.8, 14 rows 41 vs 27.5).
+// Below this many query heads per group, one pass per query row over the cached rows for all
+// heads of its group costs less (attend_rows_by_group; measured at 2 K cached rows, SmolLM2, 2
+// threads, whole 30-layer calls: 3 rows 14.8 vs 20.1 ms for per-head passes, 8 rows 30.8 either way).
 constexpr int64_t kLanesFrom = 13;
-constexpr int kMaxGroup = 4;  // query heads per key/value group the one-row step's fused path handles
+constexpr int kMaxGroup = 4;  // query heads per key/value group attend_rows_by_group handles
 
 // S[r] = k[r] . qt for `width` key rows: each key element is broadcast against V query vectors;
 // four keys at a time keep 4 * V independent accumulators in flight.
@@ -1101,6 +1102,10 @@ class LlamaDecoder {
       attend_rows_in_lanes(q, q_stride, keys, values, capacity, pos, n, out);
       return;
     }
+    if (head_dim_ == 64 && heads_ / kv_heads_ <= kMaxGroup) {
+      attend_rows_by_group(q, q_stride, keys, values, capacity, pos, n, out);
+      return;
+    }
 #endif
     const int64_t D = head_dim_, group = heads_ / kv_heads_, H = heads_, rows = pos[n - 1] + 1;
     const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 256));
@@ -1178,6 +1183,46 @@ class LlamaDecoder {
   }
 
 #if defined(__AVX512F__)
+  // attend_rows for a few rows (D = 64): per query row, one pass over its visible key and value
+  // rows for all heads of a group (group_scores / group_weighted_rows, as the one-row step), so a
+  // draft of 3 rows reads each cached row 3 times instead of 3 * group times.
+  void attend_rows_by_group(const float* q, int64_t q_stride, const float* keys, const float* values,
+                            int64_t capacity, const int64_t* pos, int64_t n, float* out) {
+    const int64_t D = 64, group = heads_ / kv_heads_, H = heads_, rows = pos[n - 1] + 1;
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 256));
+    std::vector<float> part_out(chunks * n * H * D, 0.f), part_top(chunks * n * H, -INFINITY),
+        part_total(chunks * n * H, 0.f);
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      with_count<kMaxGroup>(group, [&](auto count) {
+        constexpr int G = decltype(count)::value;
+        for (int64_t c = begin; c < end; ++c) {
+          const int64_t r0 = rows * c / chunks, width = rows * (c + 1) / chunks - r0;
+          scores.resize(G * width);
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t seen = std::min(width, pos[i] + 1 - r0);
+            if (seen <= 0) continue;  // this chunk lies past the row's causal end
+            for (int64_t g = 0; g < kv_heads_; ++g) {
+              __m512 qg[G][4];
+              for (int h = 0; h < G; ++h)
+                for (int j = 0; j < 4; ++j)
+                  qg[h][j] = _mm512_mul_ps(_mm512_loadu_ps(q + i * q_stride + (g * G + h) * D + j * 16),
+                                           _mm512_set1_ps(float(scale_)));
+              group_scores<G>(qg, keys + (g * capacity + r0) * D, seen, scores.data());
+              const int64_t slot = (c * n + i) * H + g * G;
+              for (int h = 0; h < G; ++h) {
+                part_top[slot + h] = max_of(scores.data() + h * seen, seen);
+                part_total[slot + h] = exp_shifted_sum(scores.data() + h * seen, seen, part_top[slot + h]);
+              }
+              group_weighted_rows<G>(scores.data(), values + (g * capacity + r0) * D, seen, part_out.data() + slot * D);
+            }
+          }
+        }
+      });
+    });
+    combine_chunks(part_out.data(), part_top.data(), part_total.data(), chunks, n * H, out);
+  }
+
   // attend_rows with the n * group query heads of one key/value group in vector lanes (16 per
   // vector): each cached key and value row is read once per chunk and its elements are broadcast
   // against all queries (no horizontal sums), so a few rows cost about what one row costs in
@@ -1242,59 +1287,14 @@ class LlamaDecoder {
   }
 #endif
 
-  // softmax(q k^T * scale) v for every query head over rows [0, rows) of its key/value group.
-  // The rows are split into chunks, one per thread (each reads its rows once, for every head):
-  // each chunk keeps its own maximum score, sum of exponentials and unnormalized output per
-  // head, and the chunks are combined exactly as in a single softmax (rescaled by exp(max_c - max)).
+  // softmax(q k^T * scale) v for every query head over rows [0, rows) of its key/value group: the
+  // one-row case of attend_rows. The rows are split into chunks, one per thread (each reads its
+  // rows once, for every head of a group): each chunk keeps its own maximum score, sum of
+  // exponentials and unnormalized output per head, and the chunks are combined exactly as in a
+  // single softmax (rescaled by exp(max_c - max)).
   void attend(const float* q, const float* keys, const float* values, int64_t capacity, int64_t rows, float* out) {
-    const int64_t D = head_dim_, group = heads_ / kv_heads_, H = heads_;
-    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 256));
-    std::vector<float> part_out(chunks * H * D), part_top(chunks * H), part_total(chunks * H);
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t c = begin; c < end; ++c) {
-        const int64_t r0 = rows * c / chunks, n = rows * (c + 1) / chunks - r0;
-        scores.resize(H * n);
-#if defined(__AVX512F__)
-        if (D == 64 && group <= kMaxGroup) {  // the group's heads share each key and value row load
-          with_count<kMaxGroup>(group, [&](auto count) {
-            constexpr int G = decltype(count)::value;
-            for (int64_t g = 0; g < kv_heads_; ++g) {
-              __m512 qg[G][4];
-              for (int h = 0; h < G; ++h)
-                for (int j = 0; j < 4; ++j)
-                  qg[h][j] = _mm512_mul_ps(_mm512_loadu_ps(q + (g * G + h) * D + j * 16), _mm512_set1_ps(float(scale_)));
-              float* sg = scores.data() + g * G * n;
-              group_scores<G>(qg, keys + (g * capacity + r0) * D, n, sg);
-              for (int h = 0; h < G; ++h) {
-                const int64_t slot = c * H + g * G + h;
-                part_top[slot] = max_of(sg + h * n, n);
-                part_total[slot] = exp_shifted_sum(sg + h * n, n, part_top[slot]);
-              }
-              group_weighted_rows<G>(sg, values + (g * capacity + r0) * D, n, part_out.data() + (c * H + g * G) * D);
-            }
-          });
-          continue;
-        }
-#endif
-        for (int64_t g = 0; g < kv_heads_; ++g) {
-          const float* kg = keys + (g * capacity + r0) * D;
-          for (int64_t r = 0; r < n; ++r) {
-            for (int64_t h = 0; h < group; ++h) {
-              scores[(g * group + h) * n + r] = dot(q + (g * group + h) * D, kg + r * D, D) * float(scale_);
-            }
-          }
-        }
-        for (int64_t hh = 0; hh < H; ++hh) {
-          float* sh = scores.data() + hh * n;
-          const float top = max_of(sh, n);
-          part_top[c * H + hh] = top;
-          part_total[c * H + hh] = exp_shifted_sum(sh, n, top);
-          weighted_rows(sh, values + ((hh / group) * capacity + r0) * D, n, D, part_out.data() + (c * H + hh) * D);
-        }
-      }
-    });
-    combine_chunks(part_out.data(), part_top.data(), part_total.data(), chunks, H, out);
+    const int64_t last = rows - 1;
+    attend_rows(q, heads_ * head_dim_, keys, values, capacity, &last, 1, out);
   }
 
   std::vector<Q4Weight> qkv_, o_, gate_up_, down_;
