@@ -31,18 +31,20 @@ def propose(token_ids: Sequence[int], tokens: int, max_ngram: int = MAX_NGRAM, m
     occurrence of its longest suffix (``max_ngram`` tokens, then shorter, down to ``min_ngram``)
     in ``token_ids`` itself. Empty when no such suffix recurs or ``tokens`` < 1.
 
-    Cost: a vectorised scan of ``token_ids`` per n-gram length (~0.1 ms at 2 K ids).
+    Cost: one vectorised comparison of ``token_ids`` with its last id, then a check of the few
+    matches (~20 us at 2 K ids).
     """
     if tokens < 1 or len(token_ids) < 2:
         return []
     ids = np.asarray(token_ids, dtype=np.int64)
+    # ends of earlier windows: positions before the last id that hold the last id
+    ends = np.flatnonzero(ids[:-1] == ids[-1])
     for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
-        suffix = ids[-n:]
-        # windows that end before the last id, so that a continuation exists
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        hits = ends[ends >= n - 1]
+        for back in range(1, n):
+            hits = hits[ids[hits - back] == ids[-1 - back]]
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             return ids[start:start + tokens].tolist()
     return []
 

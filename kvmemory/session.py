@@ -528,31 +528,39 @@ class KVSession:
         adapter = self._sync_adapter()  # an adapter update since the last call is repaired first
         drafting = temperature <= 0 and lookup > 0 and kvcache.plain_layers(self.cache)
         self._draft = None
+        # the cached ids and the answer so far, grown in place: no per-token copy of the history
+        # for the logits processor's input_ids or the draft lookup (~0.5 ms a token at 2 K ids)
+        history = torch.empty(len(self.token_ids) + limit + 1, dtype=torch.long)
+        history[:len(self.token_ids)] = torch.tensor(self.token_ids, dtype=torch.long)
         try:
             for emitted in range(1, limit + 1):
+                n = len(self.token_ids)
                 logits = self.next_logits
                 if logits_processor is not None:
-                    logits = logits_processor(torch.tensor([self.token_ids]), logits[None].clone())[0]
+                    logits = logits_processor(history[None, :n].clone(), logits[None].clone())[0]
                 token = _pick(logits, temperature, generator)
                 if token in stop_ids:
                     self.next_logits = None
                     return
+                history[n] = token
                 try:
                     yield token  # leaves as soon as it is picked; its row is computed on resume or close
                 except BaseException:  # closed (or thrown into): settle on this token, no new draft
                     self._append_token(token, adapter, capacity, draft_tokens=0)
                     raise
                 self._append_token(token, adapter, capacity,
-                                   draft_tokens=min(lookup, limit - emitted) if drafting else 0)
+                                   draft_tokens=min(lookup, limit - emitted) if drafting else 0,
+                                   history=history[:n + 1].numpy())
         finally:
             self._drop_draft(adapter)
 
-    def _append_token(self, token: int, adapter, capacity: int, draft_tokens: int = 0) -> None:
+    def _append_token(self, token: int, adapter, capacity: int, draft_tokens: int = 0, history=None) -> None:
         """Give ``token`` (just picked) its cache row and set ``next_logits`` to the logits after it.
         Its row is already there when it equals the next token of the pending draft (checked in
         the last forward); otherwise the draft's rows are dropped and ``token`` is forwarded with
         up to ``draft_tokens`` new draft tokens (:func:`kvmemory.lookup.propose`), whose rows and
-        logits are kept pending until the next picks accept or reject them."""
+        logits are kept pending until the next picks accept or reject them. ``history``: the ids
+        up to and including ``token`` (an int64 array; default: built from ``token_ids``)."""
         draft = self._draft
         if draft is not None and draft[0] and draft[0][0] == token:
             tokens, logits = draft
@@ -560,7 +568,9 @@ class KVSession:
             self._accept(token, logits[0])
             return
         self._drop_draft(adapter)
-        guess = propose(self.token_ids + [token], draft_tokens) if draft_tokens else []
+        if draft_tokens and history is None:
+            history = self.token_ids + [token]
+        guess = propose(history, draft_tokens) if draft_tokens else []
         if not guess:
             self._accept(token, self._forward_tracked(torch.tensor([token]), adapter, capacity))
             return
