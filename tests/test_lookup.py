@@ -29,6 +29,26 @@ def test_propose_copies_what_followed_the_longest_recurring_suffix():
     assert propose([4, 1, 5, 2, 1], 2, min_ngram=1) == [5, 2]
 
 
+def _reference_draft(ids: list[int], tokens: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """propose's definition, written out: for n from max_ngram down, the latest earlier window
+    equal to the last n ids, and the ids after it."""
+    for n in range(min(max_ngram, len(ids) - 1), min_ngram - 1, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == ids[-n:]:
+                return ids[start + n:start + n + tokens]
+    return []
+
+
+def test_propose_equals_its_definition_on_random_ids():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        length = int(torch.randint(2, 40, (1,), generator=generator))
+        ids = torch.randint(0, int(torch.randint(1, 5, (1,), generator=generator)), (length,), generator=generator).tolist()
+        for max_ngram, min_ngram in ((3, 2), (3, 1), (4, 2), (1, 1)):
+            tokens = int(torch.randint(1, 4, (1,), generator=generator))
+            assert propose(ids, tokens, max_ngram, min_ngram) == _reference_draft(ids, tokens, max_ngram, min_ngram), ids
+
+
 def _counting_forwards(monkeypatch) -> list[int]:
     """Record the number of rows of every forward the session runs."""
     import kvmemory.session as session_module
