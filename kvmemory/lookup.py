@@ -32,7 +32,7 @@ def propose(token_ids: Sequence[int], tokens: int, max_ngram: int = MAX_NGRAM, m
     in ``token_ids`` itself. Empty when no such suffix recurs or ``tokens`` < 1.
 
     Cost: one vectorised comparison of ``token_ids`` with its last id, then a check of the few
-    matches (~20 us at 2 K ids).
+    matches (~10 us at 2 K ids).
     """
     if tokens < 1 or len(token_ids) < 2:
         return []

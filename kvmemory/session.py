@@ -529,7 +529,7 @@ class KVSession:
         drafting = temperature <= 0 and lookup > 0 and kvcache.plain_layers(self.cache)
         self._draft = None
         # the cached ids and the answer so far, grown in place: no per-token copy of the history
-        # for the logits processor's input_ids or the draft lookup (~0.5 ms a token at 2 K ids)
+        # for the logits processor's input_ids or the draft lookup (~0.4 ms a token at 2 K ids)
         history = torch.empty(len(self.token_ids) + limit + 1, dtype=torch.long)
         history[:len(self.token_ids)] = torch.tensor(self.token_ids, dtype=torch.long)
         try:
