@@ -63,7 +63,7 @@ def test_prefill_append_and_decode_equal_transformers(real):
     fast = kvcache.new_cache(real.model.config)
     assert engine.engine_for(real.model, fast) is not None
     logits = [forward_rows(real.model, fast, ids[:120], 0), forward_rows(real.model, fast, ids[120:125], 120)]
-    # a 3-row draft check (every row's logits) takes the grouped attention, 5 rows the lane one
+    # a 3-row draft check: every row's logits
     logits += list(forward_rows(real.model, fast, ids[125:128], 125, every_row=True))
     logits += [forward_rows(real.model, fast, ids[i : i + 1], i) for i in range(128, 160)]
     # reference: transformers' own forward (no cache) at each position
@@ -524,7 +524,7 @@ def test_a_short_packed_refresh_runs_on_the_blocks_like_the_dense_weights(real):
 def test_a_packed_refresh_of_engine_rows_is_one_engine_call_with_the_same_rows(real, monkeypatch, count):
     """After a deletion the repair's cache lives in the engine's storage: a short packed refresh
     then runs every layer in one engine call (rows scattered over the cache, each attending its
-    causal prefix; 3 and 60 rows use per-head dot products, 14 and 23 the query-lanes kernel).
+    causal prefix, one pass per row over the cached rows for each key/value group's heads).
     Same rows and logits as the layer-by-layer packed executor on the same blocks."""
     session = KVSession(real.model, real.tokenizer)
     session.prepare(history() + [QUERY])

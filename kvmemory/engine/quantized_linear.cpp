@@ -829,114 +829,8 @@ void rotate(float* v, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
-#if defined(__AVX512F__)
-// Few-row attention with query heads in vector lanes (LlamaDecoder::attend_rows_in_lanes): scores
-// S [rows][V * 16], queries transposed qt [D][V * 16], one lane per query head.
-constexpr int64_t kMaxLanes = 96;  // up to 6 vectors of queries per key/value group
-// Below this many query heads per group, one pass per query row over the cached rows for all
-// heads of its group costs less (attend_rows_by_group; measured at 2 K cached rows, SmolLM2, 2
-// threads, whole 30-layer calls: 3 rows 14.8 vs 20.1 ms for per-head passes, 8 rows 30.8 either way).
-constexpr int64_t kLanesFrom = 13;
-constexpr int kMaxGroup = 4;  // query heads per key/value group attend_rows_by_group handles
-
-// S[r] = k[r] . qt for `width` key rows: each key element is broadcast against V query vectors;
-// four keys at a time keep 4 * V independent accumulators in flight.
-template <int V>
-void lane_scores(const float* qt, const float* k, int64_t width, int64_t D, float* S) {
-  constexpr int64_t W = V * 16;
-  int64_t r = 0;
-  for (; r + 4 <= width; r += 4) {
-    __m512 acc[4][V];
-    for (int kk = 0; kk < 4; ++kk)
-      for (int v = 0; v < V; ++v) acc[kk][v] = _mm512_setzero_ps();
-    const float* kr = k + r * D;
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 k0 = _mm512_set1_ps(kr[d]), k1 = _mm512_set1_ps(kr[D + d]);
-      const __m512 k2 = _mm512_set1_ps(kr[2 * D + d]), k3 = _mm512_set1_ps(kr[3 * D + d]);
-      for (int v = 0; v < V; ++v) {
-        const __m512 qv = _mm512_loadu_ps(qt + d * W + v * 16);
-        acc[0][v] = _mm512_fmadd_ps(qv, k0, acc[0][v]);
-        acc[1][v] = _mm512_fmadd_ps(qv, k1, acc[1][v]);
-        acc[2][v] = _mm512_fmadd_ps(qv, k2, acc[2][v]);
-        acc[3][v] = _mm512_fmadd_ps(qv, k3, acc[3][v]);
-      }
-    }
-    for (int kk = 0; kk < 4; ++kk)
-      for (int v = 0; v < V; ++v) _mm512_storeu_ps(S + (r + kk) * W + v * 16, acc[kk][v]);
-  }
-  for (; r < width; ++r) {
-    __m512 acc[V];
-    for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 kd = _mm512_set1_ps(k[r * D + d]);
-      for (int v = 0; v < V; ++v) acc[v] = _mm512_fmadd_ps(_mm512_loadu_ps(qt + d * W + v * 16), kd, acc[v]);
-    }
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(S + r * W + v * 16, acc[v]);
-  }
-}
-
-// In place: S[r] = exp(S[r] - max) where the lane sees row r0 + r (row <= last[lane]), 0 where it
-// does not; top / total get each lane's maximum (-inf: sees none) and sum of exponentials.
-template <int V>
-void lane_softmax(float* S, int64_t width, int64_t r0, const float* last, float* top, float* total) {
-  constexpr int64_t W = V * 16;
-  __m512 lastv[V], tops[V], sums[V];
-  for (int v = 0; v < V; ++v) {
-    lastv[v] = _mm512_loadu_ps(last + v * 16);
-    tops[v] = _mm512_set1_ps(-INFINITY);
-    sums[v] = _mm512_setzero_ps();
-  }
-  for (int64_t r = 0; r < width; ++r) {
-    const __m512 row = _mm512_set1_ps(float(r0 + r));
-    for (int v = 0; v < V; ++v) {
-      const __mmask16 seen = _mm512_cmp_ps_mask(row, lastv[v], _CMP_LE_OQ);
-      tops[v] = _mm512_mask_max_ps(tops[v], seen, tops[v], _mm512_loadu_ps(S + r * W + v * 16));
-    }
-  }
-  __m512 shift[V];
-  for (int v = 0; v < V; ++v) {  // a lane that sees no row of this chunk: any finite shift (its exps are masked to 0)
-    const __mmask16 none = _mm512_cmp_ps_mask(tops[v], _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
-    shift[v] = _mm512_mask_mov_ps(tops[v], none, _mm512_setzero_ps());
-  }
-  for (int64_t r = 0; r < width; ++r) {
-    const __m512 row = _mm512_set1_ps(float(r0 + r));
-    for (int v = 0; v < V; ++v) {
-      const __mmask16 seen = _mm512_cmp_ps_mask(row, lastv[v], _CMP_LE_OQ);
-      const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(_mm512_loadu_ps(S + r * W + v * 16), shift[v])));
-      _mm512_storeu_ps(S + r * W + v * 16, e);
-      sums[v] = _mm512_add_ps(sums[v], e);
-    }
-  }
-  for (int v = 0; v < V; ++v) {
-    _mm512_storeu_ps(top + v * 16, tops[v]);
-    _mm512_storeu_ps(total + v * 16, sums[v]);
-  }
-}
-
-// out [D][V * 16] = sum_r P[r] * values[r][d]: value elements broadcast against V weight vectors,
-// DB dimensions at a time in registers.
-template <int V>
-void lane_weighted_rows(const float* P, const float* values, int64_t width, int64_t D, float* out) {
-  constexpr int64_t W = V * 16;
-  constexpr int DB = V == 1 ? 16 : (V <= 3 ? 8 : 4);
-  for (int64_t d0 = 0; d0 < D; d0 += DB) {
-    __m512 acc[DB][V];
-    for (int dd = 0; dd < DB; ++dd)
-      for (int v = 0; v < V; ++v) acc[dd][v] = _mm512_setzero_ps();
-    for (int64_t r = 0; r < width; ++r) {
-      __m512 p[V];
-      for (int v = 0; v < V; ++v) p[v] = _mm512_loadu_ps(P + r * W + v * 16);
-      const float* vr = values + r * D + d0;
-      for (int dd = 0; dd < DB; ++dd) {
-        const __m512 b = _mm512_set1_ps(vr[dd]);
-        for (int v = 0; v < V; ++v) acc[dd][v] = _mm512_fmadd_ps(p[v], b, acc[dd][v]);
-      }
-    }
-    for (int dd = 0; dd < DB; ++dd)
-      for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + (d0 + dd) * W + v * 16, acc[dd][v]);
-  }
-}
-#endif
+// query heads per key/value group that LlamaDecoder::attend_rows_by_group handles (more: per head)
+constexpr int kMaxGroup = 4;
 
 }  // namespace
 
@@ -1097,11 +991,6 @@ class LlamaDecoder {
   void attend_rows(const float* q, int64_t q_stride, const float* keys, const float* values, int64_t capacity,
                    const int64_t* pos, int64_t n, float* out) {
 #if defined(__AVX512F__)
-    const int64_t lanes = n * (heads_ / kv_heads_);
-    if (head_dim_ % 16 == 0 && lanes >= kLanesFrom && lanes <= kMaxLanes) {
-      attend_rows_in_lanes(q, q_stride, keys, values, capacity, pos, n, out);
-      return;
-    }
     if (head_dim_ == 64 && heads_ / kv_heads_ <= kMaxGroup) {
       attend_rows_by_group(q, q_stride, keys, values, capacity, pos, n, out);
       return;
@@ -1183,9 +1072,12 @@ class LlamaDecoder {
   }
 
 #if defined(__AVX512F__)
-  // attend_rows for a few rows (D = 64): per query row, one pass over its visible key and value
-  // rows for all heads of a group (group_scores / group_weighted_rows, as the one-row step), so a
-  // draft of 3 rows reads each cached row 3 times instead of 3 * group times.
+  // attend_rows at head_dim 64: per query row, one pass over its visible key and value rows for
+  // all heads of a group (group_scores / group_weighted_rows). Interleaved A/B at 2 K and 8 K
+  // cached rows, SmolLM2, 2 threads, whole 30-layer calls: faster than one pass per head (3 rows
+  // 15 vs 20 ms at 2 K; 43 rows 334 vs 413 ms at 8 K) and than the query heads in vector lanes
+  // with one pass for all rows (5-32 rows 2-14 % faster, packed refreshes of 14 and 32 rows too):
+  // the passes are bound by multiply-adds, not by reading the rows.
   void attend_rows_by_group(const float* q, int64_t q_stride, const float* keys, const float* values,
                             int64_t capacity, const int64_t* pos, int64_t n, float* out) {
     const int64_t D = 64, group = heads_ / kv_heads_, H = heads_, rows = pos[n - 1] + 1;
@@ -1223,68 +1115,6 @@ class LlamaDecoder {
     combine_chunks(part_out.data(), part_top.data(), part_total.data(), chunks, n * H, out);
   }
 
-  // attend_rows with the n * group query heads of one key/value group in vector lanes (16 per
-  // vector): each cached key and value row is read once per chunk and its elements are broadcast
-  // against all queries (no horizontal sums), so a few rows cost about what one row costs in
-  // memory reads, and a packed refresh's rows share them too.
-  void attend_rows_in_lanes(const float* q, int64_t q_stride, const float* keys, const float* values,
-                            int64_t capacity, const int64_t* pos, int64_t n, float* out) {
-    const int64_t D = head_dim_, group = heads_ / kv_heads_, H = heads_, rows = pos[n - 1] + 1;
-    const int64_t lanes = n * group, vectors = (lanes + 15) / 16, width_lanes = vectors * 16;
-    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 256));
-    // per group: queries transposed [D][lanes] (scaled), each lane's last visible row (padding lanes see all)
-    std::vector<float> qt(kv_heads_ * D * width_lanes, 0.f), last(kv_heads_ * width_lanes, float(rows));
-    for (int64_t g = 0; g < kv_heads_; ++g) {
-      for (int64_t j = 0; j < lanes; ++j) {
-        const int64_t i = j / group, hh = g * group + j % group;
-        for (int64_t d = 0; d < D; ++d) qt[(g * D + d) * width_lanes + j] = q[i * q_stride + hh * D + d] * float(scale_);
-        last[g * width_lanes + j] = float(pos[i]);
-      }
-    }
-    // per (chunk, group): unnormalized outputs [D][lanes], maxima and sums [lanes]
-    std::vector<float> part_out(chunks * kv_heads_ * D * width_lanes), part_top(chunks * kv_heads_ * width_lanes),
-        part_total(chunks * kv_heads_ * width_lanes);
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t c = begin; c < end; ++c) {
-        const int64_t r0 = rows * c / chunks, width = rows * (c + 1) / chunks - r0;
-        scores.resize(width * width_lanes);
-        for (int64_t g = 0; g < kv_heads_; ++g) {
-          const int64_t part = (c * kv_heads_ + g) * width_lanes;
-          with_count<kMaxLanes / 16>(vectors, [&](auto v) {
-            constexpr int V = decltype(v)::value;
-            lane_scores<V>(qt.data() + g * D * width_lanes, keys + (g * capacity + r0) * D, width, D, scores.data());
-            lane_softmax<V>(scores.data(), width, r0, last.data() + g * width_lanes, part_top.data() + part,
-                            part_total.data() + part);
-            lane_weighted_rows<V>(scores.data(), values + (g * capacity + r0) * D, width, D,
-                                  part_out.data() + part * D);
-          });
-        }
-      }
-    });
-    // combine the chunks per lane, then lanes back to [n, heads, D]
-    std::vector<float> lane_out(kv_heads_ * width_lanes * D);
-    std::vector<float> tops(chunks * kv_heads_ * width_lanes), totals(chunks * kv_heads_ * width_lanes),
-        outs(chunks * kv_heads_ * width_lanes * D);
-    for (int64_t c = 0; c < chunks; ++c) {
-      for (int64_t g = 0; g < kv_heads_; ++g) {
-        const int64_t part = (c * kv_heads_ + g) * width_lanes;
-        for (int64_t j = 0; j < width_lanes; ++j) {
-          const int64_t slot = c * kv_heads_ * width_lanes + g * width_lanes + j;
-          tops[slot] = part_top[part + j];
-          totals[slot] = part_total[part + j];
-          for (int64_t d = 0; d < D; ++d) outs[slot * D + d] = part_out[part * D + d * width_lanes + j];
-        }
-      }
-    }
-    combine_chunks(outs.data(), tops.data(), totals.data(), chunks, kv_heads_ * width_lanes, lane_out.data());
-    for (int64_t g = 0; g < kv_heads_; ++g) {
-      for (int64_t j = 0; j < lanes; ++j) {
-        const int64_t i = j / group, hh = g * group + j % group;
-        std::copy_n(lane_out.data() + (g * width_lanes + j) * D, D, out + (i * H + hh) * D);
-      }
-    }
-  }
 #endif
 
   // softmax(q k^T * scale) v for every query head over rows [0, rows) of its key/value group: the
