@@ -560,7 +560,8 @@ class KVSession:
         the last forward); otherwise the draft's rows are dropped and ``token`` is forwarded with
         up to ``draft_tokens`` new draft tokens (:func:`kvmemory.lookup.propose`), whose rows and
         logits are kept pending until the next picks accept or reject them. ``history``: the ids
-        up to and including ``token`` (an int64 array; default: built from ``token_ids``)."""
+        up to and including ``token`` (an int64 array), where the draft is looked up; needed when
+        ``draft_tokens`` > 0."""
         draft = self._draft
         if draft is not None and draft[0] and draft[0][0] == token:
             tokens, logits = draft
@@ -568,8 +569,6 @@ class KVSession:
             self._accept(token, logits[0])
             return
         self._drop_draft(adapter)
-        if draft_tokens and history is None:
-            history = self.token_ids + [token]
         guess = propose(history, draft_tokens) if draft_tokens else []
         if not guess:
             self._accept(token, self._forward_tracked(torch.tensor([token]), adapter, capacity))
