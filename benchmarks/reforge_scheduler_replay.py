@@ -60,7 +60,7 @@ def main() -> None:
     fp.add_argument("--pacings", default="0,0.5,0.9", help="pacing κ grid (comma list; one value fixes κ)")
     fp.add_argument("--out", type=Path, required=True)
     ev = sub.add_parser("eval", help="replay every policy on held-out banks")
-    ev.add_argument("--profile", type=Path, required=True, help="profile with a scheduler calibration")
+    ev.add_argument("--profile", type=Path, required=True, help="profile (eq. 9 fitted; its scheduler and probe calibrations when it has them)")
     ev.add_argument("--labelled", type=Path, default=None, help="the paper's label-calibrated profile (eq. 6-7)")
     ev.add_argument("--seeds", default="7,17,29")
     ev.add_argument("--budgets", default="3,4,5,6,8", help="scheduler budgets for its frontier")
@@ -144,14 +144,19 @@ def replay_of(w, args, split: str, seed: int):
 def run_fit_probe(w, args) -> None:
     from kvmemory.reforge.profile import ReforgeProfile
     from kvmemory_lab.reforge.probe_fit import fit_probe
+    from kvmemory_lab.reforge.trajectory import PolicyReplay
+    from kvmemory_lab.reforge.workload import load_snapshot
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    if len(seeds) != 1:
-        raise SystemExit("fit-probe takes one calibration seed (the machine holds one ~2 GB bank at a time)")
-    replay, memo = replay_of(w, args, "calibration", seeds[0])
+    replay = PolicyReplay(w.model, banks(w, args, "calibration", seeds), load_snapshot)  # ~2 GB per seed
+    memos = [memo_path(w, args, "calibration", seed) for seed in seeds]
+    for index, memo in enumerate(memos):
+        if memo.is_file():
+            replay.load_memo(memo, index)
     t0 = time.perf_counter()
     fit = fit_probe(replay, args.budget, pacings=tuple(float(x) for x in args.pacings.split(",")))
-    replay.save_memo(memo)
+    for index, memo in enumerate(memos):
+        replay.save_memo(memo, index)
     cal = fit.calibration
     cal.fit.update({"seeds": seeds, "prompts_per_seed": [prompts_of(args, s) for s in seeds], "updates": args.updates,
                     "fit_s": time.perf_counter() - t0})
@@ -201,11 +206,12 @@ def run_eval(w, args) -> None:
     for a in (float(x) for x in args.scales.split(",") if x):
         policies[f"eq9_fitted_x{a:g}"] = profile.scaled(a)
     policies["fixed_window"] = ReplayPolicy("fixed_window", window=2)
-    budget = profile.scheduler.fit["budget_pct"] if profile.scheduler.fit else 5.0
-    policies["scheduled"] = ReplayPolicy("scheduled", profile, budget)
-    for b in (float(x) for x in args.budgets.split(",") if x):
-        if b != budget:
-            policies[f"scheduled_b{b:g}"] = ReplayPolicy("scheduled", profile, b)
+    budget = profile.scheduler.fit["budget_pct"] if profile.scheduler and profile.scheduler.fit else 5.0
+    if profile.scheduler is not None:
+        policies["scheduled"] = ReplayPolicy("scheduled", profile, budget)
+        for b in (float(x) for x in args.budgets.split(",") if x):
+            if b != budget:
+                policies[f"scheduled_b{b:g}"] = ReplayPolicy("scheduled", profile, b)
     for item in args.extra:
         name, path = item.split("=", 1)
         other = ReforgeProfile.load(path)
@@ -224,8 +230,8 @@ def run_eval(w, args) -> None:
         other = ReforgeProfile.load(path).probe
         policies[f"probed_{name}"] = ReplayPolicy("probed", budget_pct=other.fit["budget_pct"], probe=other)
     for price in (float(x) for x in args.oracle_prices.split(",") if x):
-        policies[f"oracle_l{price:g}"] = ReplayPolicy("oracle", budget_pct=budget, price=price,
-                                                      carry=profile.scheduler.carry)
+        carry = (profile.scheduler or profile.probe).carry
+        policies[f"oracle_l{price:g}"] = ReplayPolicy("oracle", budget_pct=budget, price=price, carry=carry)
     rows, decisions = {}, {}
     args.out.mkdir(parents=True, exist_ok=True)
     for seed in (int(s) for s in args.seeds.split(",")):
@@ -269,7 +275,7 @@ def summarise(rows, decisions, policies, args, profile) -> dict:
                      "min_seed_kl_reduction_pct": min(100 * (1 - rows[s][n]["kl"] / rows[s]["stale"]["kl"]) for s in seeds)}
     return {"seeds": rows, "pooled": pooled, "decisions": decision_summary(decisions),
             "prompts_per_seed": {s: prompts_of(args, s) for s in seeds}, "updates": args.updates, "target": args.target, "layer": args.layer,
-            "profile": str(args.profile), "scheduler": profile.scheduler.model_dump()}
+            "profile": str(args.profile), "scheduler": profile.scheduler.model_dump() if profile.scheduler else None}
 
 
 DECIDERS = ("scheduled", "probed", "eq9_fitted")  # policies whose range ends are compared

@@ -47,7 +47,7 @@ def test_the_range_grows_while_probes_find_stale_layers_within_the_budget():
     devs = {4: 0.5, 5: 0.3, 6: 0.05, 7: 0.9, 8: 0.9, 9: 0.9}
     probed = []
 
-    def probe(layer):
+    def probe(layer, reach):
         probed.append(layer)
         return devs[layer]
 
@@ -63,11 +63,19 @@ def test_the_range_grows_while_probes_find_stale_layers_within_the_budget():
     assert (plan.end, probed) == (5, [4]) and plan.charged <= poor.balance
     forced = extend_while_stale(4, 10, probe, calib, BudgetAccount.open(5, 10, 8), 0.1, forced_end=8)
     assert forced.end == 8 and forced.probes == 0  # incomparable anchors: recomputed whatever the balance
-    # a query update at 4 leaves layer 4's K/V valid: the first probe is at r_kv = 5, after executing layer 4
+    # a query update at 4 leaves layer 4's K/V valid: the first probe is at r_kv = 5, after running
+    # layer 4 for the probed rows (a quarter of them: 0.25 layer)
     probed.clear()
     devs[5] = 0.01
-    plan = extend_while_stale(4, 10, probe, calib, account, 0.1, r_kv=5)
-    assert (plan.end, probed, plan.executed) == (None, [5], 1) and plan.charged == pytest.approx(1.1)
+    plan = extend_while_stale(4, 10, probe, calib, account, 0.1, r_kv=5, row_share=0.25)
+    assert (plan.end, probed, plan.executed) == (None, [5], 0) and plan.charged == pytest.approx(0.35)
+    devs[5] = 0.3  # stale: layers 4 and 5 are executed over every row, then 6 is probed
+    probed.clear()
+    plan = extend_while_stale(4, 10, probe, calib, account, 0.1, r_kv=5, row_share=0.25)
+    assert (plan.end, probed, plan.executed) == (6, [5, 6], 2) and plan.charged == pytest.approx(2.45)
+    tight = BudgetAccount.open(15, 10, calib.carry)  # 1.5 layers: the probe at 5 could buy nothing
+    tight.deposit("v1")
+    assert extend_while_stale(4, 10, probe, calib, tight, 0.1, r_kv=5, row_share=0.25).probes == 0
     with pytest.raises(ValueError, match="layer thresholds"):
         extend_while_stale(4, 6, probe, calib, account, 0.1)
     with pytest.raises(ValueError, match="ReforgeState.maintain"):
@@ -129,7 +137,8 @@ def test_probed_session_spends_its_budget_and_reports_what_stays_stale(tokenizer
 
 def test_a_query_update_probes_from_the_first_changed_cache_layer(tokenizer):
     """q_proj at layer 2 changes layer 2's output, not its K/V: recovery restarts at 2 but the
-    first probe is at r_kv = 3; the run through layer 2 is charged like a layer."""
+    first probe is at r_kv = 3, reached by running layer 2 for the probed rows only (over the
+    layer's valid cached prefix), charged at their share of the rows."""
     pm = lora_tiny()
     s = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=100))
     s.prepare(MSGS)
@@ -140,11 +149,19 @@ def test_a_query_update_probes_from_the_first_changed_cache_layer(tokenizer):
     assert torch.allclose(s.next_logits, fresh_logits(pm, tokenizer, MSGS).next_logits, atol=ATOL)
     quiet = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=100, tau=math.inf))
     quiet.prepare(MSGS)
+    n = len(quiet.token_ids)
+    keys, values = kvcache.layer_tensors(quiet.cache)[3]
+    stale = (keys[:, :, n - 9:n - 1].clone(), values[:, :, n - 9:n - 1].clone())
     nudge(pm, 2, "q_proj", scale=2.0, seed=5)
     report = quiet.maintain()
     assert report.action == "reuse" and list(report.probes["deviations"]) == [3]
-    # layer 2 ran only to reach the probe at 3: charged and reported with the probe's cost
-    assert 1 < report.probes["layers"] < 1.1 and report.budget["spent"] == pytest.approx(report.probes["layers"])
+    expected = relative_deviation(_fresh_kv(pm, tokenizer, MSGS, 3, n - 9, n - 1), stale)
+    assert expected > 0.01 and report.probes["deviations"][3] == pytest.approx(expected, rel=1e-4)
+    # layer 2 ran for the 8 probed rows only to reach the probe at 3: charged with the probe's cost
+    rows = len(quiet.token_ids) - 1
+    share = 8 / rows
+    assert report.probes["layers"] == pytest.approx(share + probe_cost(pm.config, 8, rows))
+    assert report.budget["spent"] == pytest.approx(report.probes["layers"])
     assert report.recompute_pct == pytest.approx(100 * report.budget["spent"] / LAYERS)
 
 

@@ -118,8 +118,9 @@ def relative_deviation(fresh: tuple[torch.Tensor, torch.Tensor], cached: tuple[t
 @dataclass
 class ProbePlan:
     """The chosen end b (None: reuse), the probed deviations per layer, the probes run, their
-    cost (layer units), the layers executed (b − r, plus any valid layers below r_kv executed
-    only to reach a probe that then said stop) and the end forced by incomparable anchors."""
+    cost (layer units; it includes the valid layers below r_kv run for the probed rows only to
+    reach the first probe), the layers executed over every row (b − r) and the end forced by
+    incomparable anchors."""
 
     end: int | None
     deviations: dict[int, float] = field(default_factory=dict)
@@ -134,24 +135,27 @@ class ProbePlan:
         return self.executed + self.probe_layers
 
 
-def extend_while_stale(start: int, num_layers: int, probe: Callable[[int], float], calibration: ProbeCalibration,
+def extend_while_stale(start: int, num_layers: int, probe: Callable[[int, int], float], calibration: ProbeCalibration,
                        account: BudgetAccount, cost: float, *, r_kv: int | None = None,
-                       forced_end: int | None = None) -> ProbePlan:
+                       forced_end: int | None = None, row_share: float = 1.0) -> ProbePlan:
     """Grow ``[start, b)`` one layer at a time while the probed layer is stale enough and affordable.
 
     Args:
         start: executable restart r.
         num_layers: N.
-        probe: ``probe(b)`` → dev_b; called only once ``[start, b)`` is fresh (the caller
-            executes the layers below b first, or replays them).
+        probe: ``probe(b, reach)`` → dev_b; called once layers ``[start, reach)`` are to be
+            executed over every row (the caller executes them first, or replays them) and the
+            valid layers ``[reach, b)`` (only below r_kv) run for the probed rows alone.
         calibration: τ_ℓ and the pacing κ.
         account: the cache's budget (read only: the caller charges ``plan.charged``).
         cost: one probe's cost in layers (:func:`probe_cost`).
         r_kv: first cache layer the update changed (default ``start``); layers ``[start, r_kv)``
             keep valid K/V, so the first probe is at r_kv (a query / MLP update at r changes
-            layer r's output, not its K/V).
+            layer r's output, not its K/V). Those layers run for the probed rows only (their
+            queries over the layer's valid cached K/V), charged at ``row_share`` of a layer each.
         forced_end: layers ``[start, forced_end)`` are recomputed whatever the budget
             (incomparable anchors); not probed.
+        row_share: probed rows / cached rows, in (0, 1].
 
     Returns:
         The plan; ``end`` is never below ``forced_end`` and every probe and executed layer fits
@@ -171,20 +175,20 @@ def extend_while_stale(start: int, num_layers: int, probe: Callable[[int], float
     scale = calibration.scale(account)
     while layer < num_layers:
         tau = calibration.thresholds[layer]
-        below = layer - reach  # valid layers to execute before this probe
-        if tau is None or balance < below + 1.0 + cost - 1e-9:
+        below = layer - reach  # valid layers between the executed range and the probe
+        reach_cost = below * row_share  # run for the probed rows only, to reach the probe
+        if tau is None or balance < reach_cost + cost + below + 1.0 - 1e-9:  # probe only what it could buy
             break
         tau *= scale
-        dev = probe(layer)
+        dev = probe(layer, reach)
         plan.deviations[layer] = dev
         plan.probes += 1
-        plan.probe_layers += cost
-        balance -= below + cost
-        reach = layer
+        plan.probe_layers += cost + reach_cost
+        balance -= reach_cost + cost
         if dev < tau:
             break
+        balance -= below + 1.0  # a stale probe: [reach, layer] is executed over every row
         end = reach = layer = layer + 1
-        balance -= 1.0
     plan.end = end if end > start else None
-    plan.executed = max(end, reach) - start
+    plan.executed = end - start
     return plan

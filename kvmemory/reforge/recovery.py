@@ -82,6 +82,35 @@ def run_layers(model, hidden: torch.Tensor, start: int, end: int, keep_boundarie
     return LayerRun(kv, boundaries, hidden)
 
 
+def run_rows(model, hidden: torch.Tensor, start: int, end: int, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Execute decoder layers ``[start, end)`` for the last rows of a cached prefix only:
+    ``hidden`` ``[1, m, H]`` enters layer ``start`` for rows ``[p, p + m)``, and those rows attend
+    over ``prefix[ℓ − start]`` = layer ℓ's cached (keys, values) of rows ``[0, p)``, shapes
+    ``[1, kv_heads, p, head_dim]``. Exact when the prefix K/V of those layers are current (the
+    layers below r_kv of a query / MLP update), at m/(p + m) of the layers' linear cost.
+    Returns the state entering layer ``end`` for the m rows ``[1, m, H]``.
+
+    Raises:
+        ValueError: an empty layer range or one prefix entry per layer missing.
+    """
+    decoder = decoder_of(model)
+    if not 0 <= start < end <= len(decoder.layers) or len(prefix) != end - start:
+        raise ValueError(f"layer range [{start}, {end}) needs one cached prefix per layer (got {len(prefix)})")
+    p = prefix[0][0].shape[2]
+    position_ids = torch.arange(p, p + hidden.shape[1], device=hidden.device)[None]
+    cache = DynamicCache(config=decoder.config)
+    for layer, (keys, values) in zip(range(start, end), prefix):
+        cache.update(keys, values, layer)
+    mask = create_causal_mask(config=decoder.config, inputs_embeds=hidden, attention_mask=None, cache=cache,
+                              position_ids=position_ids, layer_idx=start)
+    position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
+    with torch.no_grad():
+        for layer in range(start, end):
+            hidden = decoder.layers[layer](hidden, attention_mask=mask, position_ids=position_ids, cache=cache,
+                                           use_cache=True, position_embeddings=position_embeddings)
+    return hidden
+
+
 def embed(model, token_ids: torch.Tensor) -> torch.Tensor:
     """The state entering layer 0 for ``token_ids`` ``[n]``: ``[1, n, H]`` (boundary 0)."""
     with torch.no_grad():

@@ -26,7 +26,7 @@ from ..capabilities import cache_unsupported_reason
 from ..executors.sequential import forward_rows
 from .probe import extend_while_stale, layer_kv, probe_cost, relative_deviation
 from .profile import ReforgeProfile
-from .recovery import LayerRun, decoder_of, embed, overwrite_layers, run_layers
+from .recovery import LayerRun, decoder_of, embed, overwrite_layers, run_layers, run_rows
 from .restart import BoundaryStore, target_boundaries
 from .runtime import POLICIES, Decision, decide
 from .scheduler import BudgetAccount
@@ -96,7 +96,7 @@ class ReforgeReport:
     """One maintenance step. ``action``: reuse / bounded / full_suffix / reprefill; layers
     ``[start, end)`` executed over ``rows`` rows; ``recompute_pct`` = (b_t − r)/N·100 (%), the
     probed policy's probes included at their layer share (``probes``: their count, their cost in
-    layers, which includes valid layers below r_kv executed only to reach a probe, and the
+    layers, which includes the valid layers below r_kv run for the probed rows to reach one, and the
     relative K/V deviation per probed layer);
     ``reanchored``: layers found exactly valid and re-anchored without compute; ``ms``: wall
     time (ms) of the whole step, of which ``request_ms`` recomputed the last row (the pending
@@ -379,15 +379,19 @@ class ReforgeState:
         cached = kvcache.layer_tensors(out.cache)
         positions = torch.arange(lo, hi)
 
-        def probe(layer: int) -> float:
-            run.advance(layer)
-            fresh = layer_kv(self.model, layer, run.hidden[:, lo:hi], positions)
+        def probe(layer: int, reach: int) -> float:
+            run.advance(reach)
+            hidden = run.hidden[:, lo:hi]
+            if layer > reach:  # valid layers below r_kv: the probed rows alone, over their cached prefix
+                prefix = [(cached[x][0][:, :, :lo], cached[x][1][:, :, :lo]) for x in range(reach, layer)]
+                hidden = run_rows(self.model, hidden, reach, layer, prefix)
+            fresh = layer_kv(self.model, layer, hidden, positions)
             keys, values = cached[layer]
             return relative_deviation(fresh, (keys[:, :, lo:hi], values[:, :, lo:hi]))
 
         cost = probe_cost(self.model.config, hi - lo, hi) if hi > lo else 0.0  # share of a layer over the prefix
-        plan = extend_while_stale(start, n, probe if hi > lo else (lambda layer: math.inf), calibration, account,
-                                  cost, r_kv=r_kv, forced_end=forced)
+        plan = extend_while_stale(start, n, probe if hi > lo else (lambda layer, reach: math.inf), calibration,
+                                  account, cost, r_kv=r_kv, forced_end=forced, row_share=(hi - lo) / max(hi, 1))
         account.charge(plan.charged)
         if plan.end is not None:
             run.advance(plan.end)
@@ -396,9 +400,8 @@ class ReforgeState:
             for layer, h in run.boundaries.items():
                 self.boundaries.write(layer, h, current)
         triggered = [layer for layer, dev in plan.deviations.items() if plan.end is not None and layer < plan.end]
-        wasted = plan.executed - ((plan.end or start) - start)  # valid layers run only to reach a probe
         return Decision("probed", r_kv, start, plan.end, triggered, distances, [0.0] * n,
-                        probe_layers=plan.probe_layers + wasted, deviations=plan.deviations)
+                        probe_layers=plan.probe_layers, deviations=plan.deviations)
 
     def _reanchor_unchanged(self, current: AdapterState) -> tuple[list[int], list[int]]:
         """Layers whose K/V the change cannot reach keep their rows and take the new anchor."""

@@ -306,9 +306,11 @@ class PolicyReplay:
             table = self.probe_values(b, policy.probe.rows)[i]
             rows = bank.prompts[i].token_ids.shape[0] - 1
             cost = probe_cost(self.model.config, policy.probe.rows or rows, rows)
-            plan = extend_while_stale(r, bank.num_layers, lambda layer: float(table[layer - r, t, anchor[layer - r]]),
-                                      policy.probe, account, cost, r_kv=bank.invalid[0])
-            probed = plan.charged - (0 if plan.end is None else plan.end - r)  # probes + layers run only to probe
+            plan = extend_while_stale(r, bank.num_layers,
+                                      lambda layer, reach: float(table[layer - r, t, anchor[layer - r]]),
+                                      policy.probe, account, cost, r_kv=bank.invalid[0],
+                                      row_share=min(policy.probe.rows or rows, rows) / rows)
+            probed = plan.probe_layers  # probes + valid layers run for the probed rows to reach one
             account.charge(probed)
             decision = Decision("probed", bank.invalid[0], r, plan.end, [], distances, [0.0] * bank.num_layers)
         else:
