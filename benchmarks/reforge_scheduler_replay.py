@@ -8,18 +8,19 @@ Fit (calibration banks only, seeds 53 and 61 as in the paper)::
         --base benchmarks/results/reforge_profiles/fit5_seeds53-61.json --budget 5 --bank-dir .banks \
         --out benchmarks/results/reforge_profiles/sched5_seeds53-61.json
 
-Fit the probed policy's thresholds (calibration banks only)::
+Fit the probed policy's thresholds (calibration banks only; several seeds are fitted jointly,
+~2 GB of memory per seed)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/reforge_scheduler_replay.py fit-probe --seeds 53 \
-        --base benchmarks/results/reforge_profiles/sched5_seed53.json --budget 5 --bank-dir .banks \
-        --out benchmarks/results/reforge_profiles/probe5_seed53.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/reforge_scheduler_replay.py fit-probe --seeds 53,61,67,71 \
+        --pacings 0.75 --base benchmarks/results/reforge_profiles/sched5_seed53.json --budget 5 --bank-dir .banks \
+        --out benchmarks/results/reforge_profiles/probe5_paced_seeds53-61-67-71.json
 
 Held-out replay (8 eval prompts × seeds 7, 17, 29, 32 updates)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/reforge_scheduler_replay.py eval \
-        --profile benchmarks/results/reforge_profiles/probe5_seed53.json \
+        --profile benchmarks/results/reforge_profiles/probe5_paced_seeds53-61-67-71.json \
         --labelled benchmarks/results/reforge_profiles/calib16_gaps1-4-16.json --bank-dir .banks \
-        --out benchmarks/results/reforge_scheduler_probe
+        --out benchmarks/results/reforge_scheduler_probe/joint4
 
 Writes ``replay.json`` / ``replay.md`` / ``frontier.png``: per seed and pooled KL reduction vs
 stale reuse and recomputed layers for stale reuse, eq. 9 (labelled and fitted δ, with risk
@@ -344,7 +345,7 @@ def plot(r: dict, path: Path) -> None:
                 "probed (budgets)": "probed"}
     members = {prefix: [n for n in r["pooled"] if n == prefix or re.fullmatch(rf"{prefix}_(b|x)[0-9.]+", n)]
                for prefix in families.values()}
-    for label, prefix in families.items():
+    for label, prefix in ((label, prefix) for label, prefix in families.items() if members[prefix]):
         pts = sorted((r["pooled"][n]["recompute_pct"], r["pooled"][n]["kl_reduction_pct"]) for n in members[prefix])
         ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=label)
     others = [n for n in r["pooled"] if n != "stale" and not any(n in m for m in members.values())]
