@@ -11,7 +11,7 @@ import torch
 from kvmemory import InputError, KVSession, engine, kvcache, load_model
 from kvmemory.engine.buffers import CacheBuffers
 from kvmemory.engine.llama import DENSE_FROM_ROWS, EXACT_DENSE_FROM_ROWS
-from kvmemory.engine.quantized import Q4Linear, Q8Linear
+from kvmemory.engine.quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel
 from kvmemory.errors import EngineUnsupportedError
 from kvmemory.executors.packed import run_packed
 from kvmemory.executors.sequential import forward_rows
@@ -288,6 +288,28 @@ def test_bad_engine_requests_say_why():
 
 # ---- engine "q4_1_int8": int8 activations on the block path (lossy by design, like llama.cpp) ----
 
+def _needs_vnni() -> None:
+    """The int8 kernels exist only in a VNNI build (AVX-512 VNNI CPUs): skip their tests elsewhere
+    (what such a machine does instead is checked by the attach test below)."""
+    if not kernel().has_vnni():
+        pytest.skip("int8 activations need AVX-512 VNNI, which this CPU lacks")
+
+
+def test_int8_engine_attaches_only_where_the_cpu_has_vnni(real):
+    """With VNNI the int8 engine attaches; without it, attaching fails naming the exact engine and
+    the model keeps the engine it had."""
+    if kernel().has_vnni():
+        try:
+            assert engine.attach(real.model, embedded_gguf_path(), "q4_1_int8") == engine.EngineStatus("q4_1_int8")
+        finally:
+            engine.attach(real.model, embedded_gguf_path(), "q4_1")
+        return
+    before = engine.status(real.model)
+    with pytest.raises(KernelUnavailableError, match="engine='q4_1'"):
+        engine.attach(real.model, embedded_gguf_path(), "q4_1_int8")
+    assert engine.status(real.model) == before and before.name != "q4_1_int8"
+
+
 def _rounded_blocks(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the kernel sees it: each 32-value block rounded to e * int8, e = max|x| / 127."""
     blocks = x.view(x.shape[0], -1, 32)
@@ -307,6 +329,7 @@ def _int8_error_bound(x: torch.Tensor, codes_only: torch.Tensor) -> torch.Tensor
 
 @pytest.mark.parametrize("rows,width,m", [(37, 96, 1), (64, 576, 1), (21, 64, 3), (130, 160, 9), (9, 1536, 2)])
 def test_q4_int8_kernel_is_the_product_of_the_rounded_activations(rows, width, m):
+    _needs_vnni()
     weight = _random_q4(rows, width, seed=rows)
     x = torch.randn(m, width, generator=torch.Generator().manual_seed(m)) * 3
     codes_only = Q4Linear(weight.codes, weight.scales, torch.zeros_like(weight.mins)).dequantize()
@@ -322,6 +345,7 @@ def test_q4_int8_kernel_is_the_product_of_the_rounded_activations(rows, width, m
 
 @pytest.mark.parametrize("width,m", [(64, 1), (96, 2), (576, 1)])
 def test_q8_int8_kernel_is_the_product_of_the_rounded_activations(width, m):
+    _needs_vnni()
     g = torch.Generator().manual_seed(width)
     weight = Q8Linear(torch.randint(-128, 128, (70, width), generator=g, dtype=torch.int8), torch.rand(70, width // 32, generator=g))
     x = torch.randn(m, width, generator=g)
@@ -334,6 +358,7 @@ def test_q8_int8_kernel_is_the_product_of_the_rounded_activations(width, m):
 @pytest.fixture
 def int8_engine(real):
     """The real model on engine "q4_1_int8" for one test (the exact engine is restored after)."""
+    _needs_vnni()
     status = engine.attach(real.model, embedded_gguf_path(), "q4_1_int8")
     assert status == engine.EngineStatus("q4_1_int8")
     try:
@@ -399,6 +424,8 @@ def test_int8_greedy_answers_mostly_equal_the_exact_engine(real):
     tokens (a near-tie flipped by the rounding, as between llama.cpp and transformers; which
     ones flip moves with fp32 summation order, so the bounds keep a margin). A broken kernel
     agrees on none."""
+    _needs_vnni()
+
     def answers():
         out = []
         for messages in GREEDY_PROMPTS:
@@ -432,6 +459,8 @@ BF16_LOGITS_ATOL = 1.5
 
 @pytest.mark.parametrize("kind", ["q4_1_bf16", "q4_1_int8_bf16"])
 def test_bf16_prefill_engine_replays_like_its_own_reprefill(real, kind):
+    if "int8" in kind:
+        _needs_vnni()
     status = engine.attach(real.model, embedded_gguf_path(), kind)
     try:
         assert status == engine.EngineStatus(kind)

@@ -101,6 +101,18 @@ def test_calibrate_quick_freezes_a_profile(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.real_model
+@pytest.mark.skipif(default_data_dir() is None, reason="calibration prompts come from ../shared/data (set KVMEMORY_DATA)")
+def test_calibrate_a_lora_on_several_layers(tmp_path):
+    """``--layer 10,20`` puts one LoRA on each layer; recovery restarts at the lowest."""
+    assert build_parser().parse_args(["calibrate", "--layer", "10,20"]).layer == (10, 20)
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--quick", "--updates", "1", "--layer", "10,20", "--out", str(out)]) == 0
+    profile = ReforgeProfile.load(out)
+    assert profile.key.update_target == "v_proj@10,20"
+    assert [c.restart for c in profile.conditions] == [10]
+
+
 def test_scaled_profile_moves_every_trigger_distance():
     profile = ReforgeProfile.load(ROOT_PROFILE)
     half = profile.scaled(0.5)

@@ -25,7 +25,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
     parser.add_argument("--target", default="v_proj", help="LoRA target module (default v_proj)")
-    parser.add_argument("--layer", type=int, default=None, help="LoRA layer (default: the middle layer N//2)")
+    parser.add_argument("--layer", type=_ints, default=None,
+                        help="LoRA layer, or a comma list for one LoRA on each (default: the middle layer N//2)")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
     parser.add_argument("--magnitude", type=float, default=1e-2, help="update magnitude = Adam step size (default 1e-2)")
     parser.add_argument("--passages", type=int, default=None, help="passages per prompt (default 2, the supporting ones)")
@@ -126,7 +127,9 @@ def load_workload(args, console) -> Workload:
 
     with console.status("loading model"):
         lm = load_model(args.model, args.dtype)
-    model, target, adapter_config = attach_lora(lm.model, args.target, args.layer, args.rank, 2 * args.rank)
+    layer = list(args.layer) if isinstance(args.layer, tuple) and len(args.layer) > 1 else \
+        (args.layer[0] if isinstance(args.layer, tuple) else args.layer)
+    model, target, adapter_config = attach_lora(lm.model, args.target, layer, args.rank, 2 * args.rank)
     passages = args.passages or 2
     answer_tokens = args.answer_tokens if args.answer_tokens is not None else (3 if args.quick else 4)
     return Workload(lm, model, lm.tokenizer, target, adapter_config, args.data, passages, answer_tokens,
