@@ -32,7 +32,6 @@ import reforge_scheduler_replay as bench  # noqa: E402
 from kvmemory.reforge.probe import ProbeCalibration, probe_cost  # noqa: E402
 from kvmemory_lab.reforge import probe_fit  # noqa: E402
 from kvmemory_lab.reforge.trajectory import PolicyReplay, ReplayPolicy  # noqa: E402
-from kvmemory_lab.reforge.workload import load_snapshot  # noqa: E402
 
 
 class VariantReplay(PolicyReplay):
@@ -72,19 +71,10 @@ class VariantReplay(PolicyReplay):
         return layers, ("reuse" if end is None else "bounded"), end, charge
 
 
-def replay_for(w, args, split: str, seeds: list[int]) -> tuple[VariantReplay, list[Path]]:
-    replay = VariantReplay(w.model, bench.banks(w, args, split, seeds), load_snapshot,
-                           kind=args.kind, step_ref=args.step_ref)
-    memos = [bench.memo_path(w, args, split, seed) for seed in seeds]
-    for index, memo in enumerate(memos):
-        if memo.is_file():
-            replay.load_memo(memo, index)
-    return replay, memos
-
-
 def run_fit(w, args) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
-    replay, memos = replay_for(w, args, "calibration", seeds)
+    replay, memos = bench.replay_for(w, args, "calibration", seeds, VariantReplay, kind=args.kind,
+                                     step_ref=args.step_ref)
     t0 = time.perf_counter()
     fit = probe_fit.fit_probe(replay, args.budget, pacings=tuple(float(x) for x in args.pacings.split(",")))
     for index, memo in enumerate(memos):
@@ -101,7 +91,8 @@ def run_eval(w, args) -> None:
     budgets = [float(b) for b in args.budgets.split(",")]
     per_seed = {}
     for seed in (int(s) for s in args.seeds.split(",")):
-        replay, (memo,) = replay_for(w, args, "eval", [seed])
+        replay, (memo,) = bench.replay_for(w, args, "eval", [seed], VariantReplay, kind=args.kind,
+                                           step_ref=args.step_ref)
         results = replay.evaluate([None] + [ReplayPolicy("probed", budget_pct=b, probe=cal) for b in budgets])
         replay.save_memo(memo)
         stale = results[0].kl

@@ -129,31 +129,32 @@ def memo_path(w, args, split: str, seed: int) -> Path:
     return args.memo_dir / path.name
 
 
-def replay_of(w, args, split: str, seed: int):
-    """A one-bank PolicyReplay with the bank's memoised state KLs loaded."""
+def replay_for(w, args, split: str, seeds: list[int], replay_class=None, **options):
+    """A PolicyReplay (or ``replay_class(..., **options)``) over the seeds' banks (~2 GB each)
+    with their memoised state KLs loaded, and each bank's memo path (for ``save_memo``)."""
     from kvmemory_lab.reforge.trajectory import PolicyReplay
     from kvmemory_lab.reforge.workload import load_snapshot
 
-    (bank,) = banks(w, args, split, [seed])
-    replay = PolicyReplay(w.model, [bank], load_snapshot)
-    memo = memo_path(w, args, split, seed)
-    if memo.is_file():
-        replay.load_memo(memo)
+    replay = (replay_class or PolicyReplay)(w.model, banks(w, args, split, seeds), load_snapshot, **options)
+    memos = [memo_path(w, args, split, seed) for seed in seeds]
+    for index, memo in enumerate(memos):
+        if memo.is_file():
+            replay.load_memo(memo, index)
+    return replay, memos
+
+
+def replay_of(w, args, split: str, seed: int):
+    """A one-bank PolicyReplay with the bank's memoised state KLs loaded, and its memo path."""
+    replay, (memo,) = replay_for(w, args, split, [seed])
     return replay, memo
 
 
 def run_fit_probe(w, args) -> None:
     from kvmemory.reforge.profile import ReforgeProfile
     from kvmemory_lab.reforge.probe_fit import fit_probe
-    from kvmemory_lab.reforge.trajectory import PolicyReplay
-    from kvmemory_lab.reforge.workload import load_snapshot
 
     seeds = [int(s) for s in args.seeds.split(",")]
-    replay = PolicyReplay(w.model, banks(w, args, "calibration", seeds), load_snapshot)  # ~2 GB per seed
-    memos = [memo_path(w, args, "calibration", seed) for seed in seeds]
-    for index, memo in enumerate(memos):
-        if memo.is_file():
-            replay.load_memo(memo, index)
+    replay, memos = replay_for(w, args, "calibration", seeds)
     t0 = time.perf_counter()
     fit = fit_probe(replay, args.budget, pacings=tuple(float(x) for x in args.pacings.split(",")))
     for index, memo in enumerate(memos):

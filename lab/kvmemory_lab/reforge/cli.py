@@ -127,8 +127,7 @@ def load_workload(args, console) -> Workload:
 
     with console.status("loading model"):
         lm = load_model(args.model, args.dtype)
-    layer = list(args.layer) if isinstance(args.layer, tuple) and len(args.layer) > 1 else \
-        (args.layer[0] if isinstance(args.layer, tuple) else args.layer)
+    layer = list(args.layer) if isinstance(args.layer, tuple) else args.layer  # --layer's comma list
     model, target, adapter_config = attach_lora(lm.model, args.target, layer, args.rank, 2 * args.rank)
     passages = args.passages or 2
     answer_tokens = args.answer_tokens if args.answer_tokens is not None else (3 if args.quick else 4)
