@@ -59,6 +59,8 @@ def main() -> None:
     fp.add_argument("--budget", type=float, default=5.0)
     fp.add_argument("--seeds", default="53")
     fp.add_argument("--pacings", default="0,0.5,0.9", help="pacing κ grid (comma list; one value fixes κ)")
+    fp.add_argument("--restart-projection", action="store_true",
+                    help="fit the policy that refreshes the restart layer's K/V by projection of its boundary state")
     fp.add_argument("--out", type=Path, required=True)
     ev = sub.add_parser("eval", help="replay every policy on held-out banks")
     ev.add_argument("--profile", type=Path, required=True, help="profile (eq. 9 fitted; its scheduler and probe calibrations when it has them)")
@@ -156,7 +158,8 @@ def run_fit_probe(w, args) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     replay, memos = replay_for(w, args, "calibration", seeds)
     t0 = time.perf_counter()
-    fit = fit_probe(replay, args.budget, pacings=tuple(float(x) for x in args.pacings.split(",")))
+    fit = fit_probe(replay, args.budget, pacings=tuple(float(x) for x in args.pacings.split(",")),
+                    restart_projection=args.restart_projection)
     for index, memo in enumerate(memos):
         replay.save_memo(memo, index)
     cal = fit.calibration
@@ -165,7 +168,8 @@ def run_fit_probe(w, args) -> None:
     profile = ReforgeProfile.load(args.base).model_copy(update={"probe": cal})
     profile.save(args.out)
     print(f"probed: calibration {fit.kl_reduction_pct:.2f} % KL reduction at {fit.recompute_pct:.2f} % layers "
-          f"(probes {fit.probe_pct:.3f} %), rows {cal.rows}, carry {cal.carry:g}, pacing {cal.pacing:g}, group τ {cal.fit['group_tau']}")
+          f"(probes {fit.probe_pct:.3f} %), rows {cal.rows}, carry {cal.carry:g}, pacing {cal.pacing:g}, "
+          f"restart projection {cal.restart_projection}, group τ {cal.fit['group_tau']}")
     print(f"wrote {args.out}")
 
 

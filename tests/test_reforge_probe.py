@@ -82,6 +82,46 @@ def test_the_range_grows_while_probes_find_stale_layers_within_the_budget():
         decide("probed", [0.0] * 10, [4], 4, None)
 
 
+def test_restart_projection_refreshes_the_restart_layer_and_probes_one_layer_deeper():
+    """N = 10, restart 4 = r_kv (a value update): the projection (0.06 layer) refreshes layer 4 and
+    gives dev_4; τ_4 gates the probe at 5, reached through layer 4 for the probed rows only."""
+    calib = ProbeCalibration(thresholds=[None] * 4 + [0.1] * 6, rows=4, restart_projection=True)
+    devs = {4: 0.05, 5: 0.3, 6: 0.05}
+    probed, projected = [], []
+
+    def probe(layer, reach):
+        probed.append((layer, reach))
+        return devs[layer]
+
+    def project(layer):
+        projected.append(layer)
+        return devs[layer]
+
+    account = BudgetAccount.open(50, 10, calib.carry)
+    account.deposit("v1")
+    quiet = extend_while_stale(4, 10, probe, calib, account, 0.1, row_share=0.25, project=project, projection_cost=0.06)
+    assert (quiet.end, quiet.projected, quiet.executed, probed, projected) == (None, 4, 0, [], [4])
+    assert quiet.charged == pytest.approx(0.06) and quiet.deviations == {4: 0.05}
+    devs[4] = 0.5  # stale restart layer: probe 5 through layer 4 (0.25 + 0.1), stale → execute [4, 6), probe 6
+    projected.clear()
+    plan = extend_while_stale(4, 10, probe, calib, account, 0.1, row_share=0.25, project=project, projection_cost=0.06)
+    assert (plan.end, plan.projected, plan.executed, probed, projected) == (6, None, 2, [(5, 4), (6, 6)], [4])
+    assert plan.charged == pytest.approx(0.06 + 0.35 + 0.1 + 2)
+    devs[5] = 0.01  # layer 5 fresh enough: only the projection and the probe through layer 4 are spent
+    probed.clear()
+    plan = extend_while_stale(4, 10, probe, calib, account, 0.1, row_share=0.25, project=project, projection_cost=0.06)
+    assert (plan.end, plan.projected, probed) == (None, 4, [(5, 4)]) and plan.charged == pytest.approx(0.41)
+    # a query update (r_kv = 5 > r) or a calibration without the option never projects
+    projected.clear()
+    extend_while_stale(4, 10, probe, calib, account, 0.1, r_kv=5, row_share=0.25, project=project, projection_cost=0.06)
+    extend_while_stale(4, 10, probe, calib.model_copy(update={"restart_projection": False}), account, 0.1,
+                       project=project, projection_cost=0.06)
+    assert projected == []
+    empty = BudgetAccount.open(0.1, 10, calib.carry)  # 0.01 layer: the projection is not affordable
+    empty.deposit("v1")
+    assert extend_while_stale(4, 10, probe, calib, empty, 0.1, project=project, projection_cost=0.06).projected is None
+
+
 def test_probe_cost_is_the_kv_projection_share_of_a_layer(real):
     cfg = real.model.config
     full = probe_cost(cfg, 300, 300)
@@ -163,6 +203,44 @@ def test_a_query_update_probes_from_the_first_changed_cache_layer(tokenizer):
     assert report.probes["layers"] == pytest.approx(share + probe_cost(pm.config, 8, rows))
     assert report.budget["spent"] == pytest.approx(report.probes["layers"])
     assert report.recompute_pct == pytest.approx(100 * report.budget["spent"] / LAYERS)
+
+
+def _projecting(budget_pct: float, restart_tau: float, tau: float = 0.0) -> ReforgeConfig:
+    thresholds = [None, None, restart_tau] + [tau] * (LAYERS - 3)
+    probe = ProbeCalibration(thresholds=thresholds, rows=8, restart_projection=True)
+    return ReforgeConfig(policy="probed", profile=calibrated_profile(LAYERS, probe=probe), budget_pct=budget_pct)
+
+
+def test_restart_projection_on_a_session_equals_the_fresh_kv_of_the_restart_layer(tokenizer):
+    """A value update at layer 2: the projection rewrites layer 2's K/V as a fresh prefill's
+    (every row), charges only its projection share, and leaves layers 3.. stale and reported."""
+    pm = lora_tiny()
+    s = KVSession(pm, tokenizer, "replay", reforge=_projecting(budget_pct=100, restart_tau=math.inf))
+    s.prepare(MSGS)
+    n = len(s.token_ids)
+    before = [t.clone() for t in kvcache.layer_tensors(s.cache)[3]]
+    nudge(pm, 2, "v_proj", scale=2.0)
+    report = s.maintain()
+    assert (report.action, report.projected, list(report.probes["deviations"])) == ("reuse", 2, [2])
+    keys, values = kvcache.layer_tensors(s.cache)[2]
+    fresh = _fresh_kv(pm, tokenizer, MSGS, 2, 0, n - 1)
+    torch.testing.assert_close(keys[:, :, :n - 1], fresh[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(values[:, :, :n - 1], fresh[1], rtol=0, atol=1e-5)
+    assert torch.equal(kvcache.layer_tensors(s.cache)[3][1][:, :, :n - 1], before[1][:, :, :n - 1])  # not executed
+    assert s.adapter_versions.stale_layers == [3, 4, 5] and s.exact_rows == 0
+    assert report.recompute_pct == pytest.approx(100 * probe_cost(pm.config, n - 1, n - 1) / LAYERS)
+    assert report.budget["spent"] == pytest.approx(probe_cost(pm.config, n - 1, n - 1))
+
+
+def test_restart_projection_extends_to_a_fresh_prefill_when_every_layer_is_stale(tokenizer):
+    pm = lora_tiny()
+    s = KVSession(pm, tokenizer, "replay", reforge=_projecting(budget_pct=100, restart_tau=0.0))
+    s.prepare(MSGS)
+    nudge(pm, 2, "v_proj", scale=2.0, seed=4)
+    report = s.maintain()
+    assert (report.start, report.end, report.projected) == (2, 6, None) and not s.adapter_versions.mixed
+    assert sorted(report.probes["deviations"]) == [2, 3, 4, 5]
+    assert torch.allclose(s.next_logits, fresh_logits(pm, tokenizer, MSGS).next_logits, atol=ATOL)
 
 
 @pytest.mark.parametrize("order", ["edit_then_update", "update_then_edit"])

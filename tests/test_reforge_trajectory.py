@@ -164,17 +164,20 @@ def test_replay_matches_sessions_on_the_real_model(real, tokenizer):
         model.unload()
 
 
-def test_probed_replay_reproduces_probed_sessions(tokenizer):
+@pytest.mark.parametrize("projection", [False, True])
+def test_probed_replay_reproduces_probed_sessions(tokenizer, projection):
     """The bank's probe values are what a session's probe measures: replayed decisions, probes
-    charged and KLs equal a maintained probed session's at every version; the fit stays within
-    its budget."""
+    charged and KLs equal a maintained probed session's at every version, with and without the
+    restart projection; the fit stays within its budget."""
     model = lora_tiny(targets=("v_proj",), layers=(2,), trainable_layer=2)
     versions = trajectory(model, 6, layer=2, scale=0.6)
     bank = build_bank(model, [prompt_ids(model, tokenizer, m) for m in PROMPTS], versions, load_snapshot)
     replay = PolicyReplay(model, [bank], load_snapshot, max_batch=3)
     devs = replay.probe_values(0, 4)
     tau = float(devs[:, 1:, 1:, 0].median())  # deep layers against v0: some probes pass, some stop
-    calibration = ProbeCalibration(thresholds=[None, None] + [tau] * 4, rows=4, carry=4.0, pacing=0.5)
+    gate = 0.0 if projection else tau  # projected: τ_r only gates the probe through layer r
+    calibration = ProbeCalibration(thresholds=[None, None, gate] + [tau] * 3, rows=4, carry=4.0, pacing=0.5,
+                                   restart_projection=projection)
     profile = profile_for(LAYERS, {}).model_copy(update={"probe": calibration})
     result, = replay.evaluate([ReplayPolicy("probed", budget_pct=40, probe=calibration)])
     expected_kl, expected_rec = [], []
@@ -188,6 +191,7 @@ def test_probed_replay_reproduces_probed_sessions(tokenizer):
     assert result.recompute_pct == pytest.approx(sum(expected_rec) / len(expected_rec), rel=1e-6)
     assert result.kl == pytest.approx(sum(expected_kl) / len(expected_kl), rel=1e-3, abs=1e-7)
     fit = fit_probe(replay, 30, rows_grid=(4,), carries=(4.0,), start_taus=(tau, 2 * tau), pacings=(0.0,),
-                    max_steps=1)
+                    max_steps=1, restart_projection=projection)
     assert fit.recompute_pct <= 30 + 1e-9 and fit.kl <= fit.stale_kl
+    assert fit.calibration.restart_projection is projection
     assert fit.calibration.fit["budget_pct"] == 30 and len(fit.calibration.thresholds) == LAYERS

@@ -13,6 +13,14 @@ from the cached K/V of layer b over the last ``rows`` cache rows,
 is how stale layer b is under this prompt. The rule extends the range one layer at a time:
 probe b, recompute b when dev_b ≥ τ_b and the budget account covers it, then probe b + 1 (its
 entering states are now fresh). The first probe (layer r) runs from the retained boundary state.
+
+Restart projection (``ProbeCalibration.restart_projection``; beyond the paper): when the update
+changed the restart layer's own K/V (a k_proj / v_proj adapter at r, so r = r_kv), those K/V are
+``input_layernorm`` + ``k_proj`` / ``v_proj`` of the retained boundary state, which the update
+cannot reach. Projecting every row refreshes layer r exactly at ~6 % of a layer (instead of
+executing it), and its probed rows' deviation comes with it. The update then looks like a query
+update one layer deeper: layer r+1 is probed through layer r for the probed rows only, and the
+range grows from there (τ_r gates that probe).
 Every probe is charged to the running budget (:class:`~kvmemory.reforge.scheduler.BudgetAccount`)
 at its FLOP share of a layer, so recomputed layers + probes never exceed the allowance. τ_ℓ are
 fitted offline on calibration trajectories only (``kvmemory_lab.reforge.probe_fit``).
@@ -39,7 +47,9 @@ class ProbeCalibration(BaseModel):
     last ``rows``; 0: all); ``carry``: updates' allowances a thread may save; ``pacing``: κ in
     [0, 1], the thresholds applied are τ_ℓ·(1 − κ·balance/cap), so a thread whose savings pile
     up (quiet prompts, small deviations) lowers its bar and spends them instead of losing them
-    at the cap; ``fit``: what the fit saw (seeds, prompts, calibration KL).
+    at the cap; ``restart_projection``: refresh the restart layer's K/V from its boundary state
+    by projection when the update changed them (see the module docstring); ``fit``: what the fit
+    saw (seeds, prompts, calibration KL).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -48,6 +58,7 @@ class ProbeCalibration(BaseModel):
     rows: int = Field(default=64, ge=0)
     carry: float = Field(default=8.0, gt=0)
     pacing: float = Field(default=0.0, ge=0, le=1)
+    restart_projection: bool = False
     fit: dict | None = None
 
     def scale(self, account: BudgetAccount) -> float:
@@ -119,8 +130,9 @@ def relative_deviation(fresh: tuple[torch.Tensor, torch.Tensor], cached: tuple[t
 class ProbePlan:
     """The chosen end b (None: reuse), the probed deviations per layer, the probes run, their
     cost (layer units; it includes the valid layers below r_kv run for the probed rows only to
-    reach the first probe), the layers executed over every row (b − r) and the end forced by
-    incomparable anchors."""
+    reach the first probe), the layers executed over every row (b − r), the end forced by
+    incomparable anchors, and the restart layer refreshed by projection (None: not projected)
+    with the projection's cost (layers)."""
 
     end: int | None
     deviations: dict[int, float] = field(default_factory=dict)
@@ -128,16 +140,19 @@ class ProbePlan:
     probe_layers: float = 0.0
     executed: int = 0
     forced_end: int | None = None
+    projected: int | None = None
+    projection_layers: float = 0.0
 
     @property
     def charged(self) -> float:
-        """What the budget account is charged: executed layers + probes (layers)."""
-        return self.executed + self.probe_layers
+        """What the budget account is charged: executed layers + probes + projection (layers)."""
+        return self.executed + self.probe_layers + self.projection_layers
 
 
 def extend_while_stale(start: int, num_layers: int, probe: Callable[[int, int], float], calibration: ProbeCalibration,
                        account: BudgetAccount, cost: float, *, r_kv: int | None = None,
-                       forced_end: int | None = None, row_share: float = 1.0) -> ProbePlan:
+                       forced_end: int | None = None, row_share: float = 1.0,
+                       project: Callable[[int], float] | None = None, projection_cost: float = 0.0) -> ProbePlan:
     """Grow ``[start, b)`` one layer at a time while the probed layer is stale enough and affordable.
 
     Args:
@@ -156,6 +171,10 @@ def extend_while_stale(start: int, num_layers: int, probe: Callable[[int, int], 
         forced_end: layers ``[start, forced_end)`` are recomputed whatever the budget
             (incomparable anchors); not probed.
         row_share: probed rows / cached rows, in (0, 1].
+        project: ``project(r)`` → dev_r: refresh layer r's K/V from its boundary state over
+            every row (restart projection) and return the probed rows' deviation; used only when
+            ``calibration.restart_projection``, r = r_kv, nothing is forced and the balance
+            covers ``projection_cost`` (layers).
 
     Returns:
         The plan; ``end`` is never below ``forced_end`` and every probe and executed layer fits
@@ -173,6 +192,15 @@ def extend_while_stale(start: int, num_layers: int, probe: Callable[[int, int], 
     layer = max(end, r_kv if r_kv is not None else start)  # the next layer to probe
     balance = account.balance - (end - start)
     scale = calibration.scale(account)
+    if (project is not None and calibration.restart_projection and layer == end == start
+            and balance >= projection_cost - 1e-9):
+        balance -= projection_cost
+        plan.projected, plan.projection_layers = start, projection_cost
+        dev = plan.deviations[start] = project(start)
+        tau = calibration.thresholds[start]
+        if tau is None or dev < tau * scale:  # τ_r gates the probe through layer r
+            return plan
+        layer += 1  # layer r is now current: the next probe runs through it for the probed rows only
     while layer < num_layers:
         tau = calibration.thresholds[layer]
         below = layer - reach  # valid layers between the executed range and the probe
@@ -189,6 +217,7 @@ def extend_while_stale(start: int, num_layers: int, probe: Callable[[int, int], 
             break
         balance -= below + 1.0  # a stale probe: [reach, layer] is executed over every row
         end = reach = layer = layer + 1
+        plan.projected = None  # the executed range rewrites the projected layer
     plan.end = end if end > start else None
     plan.executed = end - start
     return plan

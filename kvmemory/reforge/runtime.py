@@ -27,7 +27,8 @@ class Decision:
     the predicted tail-influence term w_ℓ·d_ℓ of each layer); ``predicted_kl``: the scheduler's
     KL̂ before and after the chosen refresh (None for other policies); ``probe_layers``: the
     probed policy's probe cost (layers, charged with the executed ones); ``deviations``: its
-    probed relative K/V deviation per layer."""
+    probed relative K/V deviation per layer; ``projected``: the restart layer refreshed from its
+    boundary state by projection (probed policy; None: none), at ``projection_layers``."""
 
     policy: str
     r_kv: int
@@ -39,6 +40,8 @@ class Decision:
     predicted_kl: tuple[float, float] | None = None
     probe_layers: float = 0.0
     deviations: dict[int, float] | None = None
+    projected: int | None = None
+    projection_layers: float = 0.0
 
     @property
     def action(self) -> str:

@@ -107,7 +107,9 @@ class ReforgeReport:
     every layer was re-prefilled instead of the chosen range (a capability gate: sliding
     windows, a quantized cache), None otherwise; ``budget``: the scheduled policy's account after
     this step (balance, cap, deposits and spent, in layers; scheduled / probed only);
-    ``predicted_kl``: the scheduler's predicted KL before / after its chosen range."""
+    ``predicted_kl``: the scheduler's predicted KL before / after its chosen range;
+    ``projected``: the restart layer whose K/V the probed policy refreshed from its retained
+    boundary state by projection (exact; its cost is in ``recompute_pct``), None otherwise."""
 
     adapter_version: str | None
     policy: str
@@ -129,6 +131,7 @@ class ReforgeReport:
     budget: dict | None = None
     predicted_kl: tuple[float, float] | None = None
     probes: dict | None = None
+    projected: int | None = None
 
     @property
     def maintenance_ms(self) -> float:
@@ -379,6 +382,16 @@ class ReforgeState:
         cached = kvcache.layer_tensors(out.cache)
         positions = torch.arange(lo, hi)
 
+        entry = run.hidden  # the state entering layer `start` (retained boundary or embedding)
+
+        def project(layer: int) -> float:  # the restart layer's K/V of rows [0, hi) from that state
+            keys, values = cached[layer]
+            fresh = layer_kv(self.model, layer, entry[:, :hi], torch.arange(hi))
+            dev = relative_deviation((fresh[0][:, :, lo:], fresh[1][:, :, lo:]),
+                                     (keys[:, :, lo:hi], values[:, :, lo:hi]))
+            keys[:, :, :hi], values[:, :, :hi] = fresh
+            return dev
+
         def probe(layer: int, reach: int) -> float:
             run.advance(reach)
             hidden = run.hidden[:, lo:hi]
@@ -391,8 +404,12 @@ class ReforgeState:
 
         cost = probe_cost(self.model.config, hi - lo, hi) if hi > lo else 0.0  # share of a layer over the prefix
         plan = extend_while_stale(start, n, probe if hi > lo else (lambda layer, reach: math.inf), calibration,
-                                  account, cost, r_kv=r_kv, forced_end=forced, row_share=(hi - lo) / max(hi, 1))
+                                  account, cost, r_kv=r_kv, forced_end=forced, row_share=(hi - lo) / max(hi, 1),
+                                  project=project if hi > lo else None,
+                                  projection_cost=probe_cost(self.model.config, hi, hi))
         account.charge(plan.charged)
+        if plan.projected is not None:
+            self.anchors.set([plan.projected], current)
         if plan.end is not None:
             run.advance(plan.end)
             overwrite_layers(out.cache, run.result())
@@ -401,7 +418,8 @@ class ReforgeState:
                 self.boundaries.write(layer, h, current)
         triggered = [layer for layer, dev in plan.deviations.items() if plan.end is not None and layer < plan.end]
         return Decision("probed", r_kv, start, plan.end, triggered, distances, [0.0] * n,
-                        probe_layers=plan.probe_layers, deviations=plan.deviations)
+                        probe_layers=plan.probe_layers, deviations=plan.deviations, projected=plan.projected,
+                        projection_layers=plan.projection_layers)
 
     def _reanchor_unchanged(self, current: AdapterState) -> tuple[list[int], list[int]]:
         """Layers whose K/V the change cannot reach keep their rows and take the new anchor."""
@@ -480,7 +498,8 @@ class ReforgeState:
             end=decision.end if decision and action != "reuse" else None,
             r_kv=decision.r_kv if decision else self.num_layers,
             rows=rows,
-            recompute_pct=100.0 * ((decision.layers + decision.probe_layers) if decision else 0) / self.num_layers,
+            recompute_pct=100.0 * ((decision.layers + decision.probe_layers + decision.projection_layers)
+                                   if decision else 0) / self.num_layers,
             triggered=decision.triggered if decision else [],
             reanchored=reanchored,
             incomparable=list(incomparable),
@@ -492,6 +511,7 @@ class ReforgeState:
             predicted_kl=decision.predicted_kl if decision else None,
             probes={"count": len(decision.deviations), "layers": decision.probe_layers,
                     "deviations": dict(decision.deviations)} if decision and decision.deviations is not None else None,
+            projected=decision.projected if decision else None,
         )
         self._fallback = None
         notes = []

@@ -56,13 +56,15 @@ def default_groups(restart: int, num_layers: int) -> list[tuple[int, ...]]:
     return [tuple(range(lo, hi)) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
-def calibration_with(groups, group_tau, num_layers: int, rows: int, carry: float, pacing: float = 0.0) -> ProbeCalibration:
+def calibration_with(groups, group_tau, num_layers: int, rows: int, carry: float, pacing: float = 0.0,
+                     restart_projection: bool = False) -> ProbeCalibration:
     """τ_ℓ = the τ of ℓ's group (layers outside every group: None, never extended through)."""
     thresholds: list[float | None] = [None] * num_layers
     for group, tau in zip(groups, group_tau):
         for layer in group:
             thresholds[layer] = tau
-    return ProbeCalibration(thresholds=thresholds, rows=rows, carry=carry, pacing=pacing)
+    return ProbeCalibration(thresholds=thresholds, rows=rows, carry=carry, pacing=pacing,
+                            restart_projection=restart_projection)
 
 
 @dataclass
@@ -84,7 +86,8 @@ class ProbeFit:
 
 
 def fit_probe(replay: PolicyReplay, budget_pct: float, *, rows_grid=ROWS, carries=CARRIES, start_taus=START_TAUS,
-              pacings=PACINGS, factors=FACTORS, max_steps: int = 6, groups=None, progress=None) -> ProbeFit:
+              pacings=PACINGS, factors=FACTORS, max_steps: int = 6, groups=None, restart_projection: bool = False,
+              progress=None) -> ProbeFit:
     """Fit the probed policy on the replay's (calibration) banks for ``budget_pct`` (% of the N
     layers per update, probes included; the budget account enforces it, so every candidate
     stays within it).
@@ -93,6 +96,9 @@ def fit_probe(replay: PolicyReplay, budget_pct: float, *, rows_grid=ROWS, carrie
     2. Best-improvement coordinate descent on one τ per group (``default_groups``), moves
        τ_g × f for f in ``factors``, at most ``max_steps`` moves, on KL + 1e-4·KL_stale·recompute %
        (ties go to the cheaper candidate).
+
+    ``restart_projection``: fit the policy that refreshes the restart layer by projection
+    (:mod:`kvmemory.reforge.probe`); its τ_r then gates the probe through layer r.
 
     Raises:
         ValueError: ``budget_pct`` not in (0, 100].
@@ -107,7 +113,8 @@ def fit_probe(replay: PolicyReplay, budget_pct: float, *, rows_grid=ROWS, carrie
     def run(cands: list[tuple]) -> list[ReplayResult]:  # candidate: (rows, carry, pacing, group τ)
         todo = [c for c in cands if c not in seen]
         pols = [ReplayPolicy("probed", budget_pct=budget_pct,
-                             probe=calibration_with(groups, c[3], bank.num_layers, c[0], c[1], c[2])) for c in todo]
+                             probe=calibration_with(groups, c[3], bank.num_layers, *c[:3], restart_projection))
+                for c in todo]
         for c, res in zip(todo, replay.evaluate(pols) if pols else []):
             seen[c] = res
         if progress is not None:
@@ -133,7 +140,7 @@ def fit_probe(replay: PolicyReplay, budget_pct: float, *, rows_grid=ROWS, carrie
     res = seen[current]
     evaluated = [{"rows": c[0], "carry": c[1], "pacing": c[2], "group_tau": list(c[3]), "kl": r.kl,
                   "recompute_pct": r.recompute_pct, "probe_pct": r.probe_pct} for c, r in seen.items()]
-    cal = calibration_with(groups, current[3], bank.num_layers, *current[:3])
+    cal = calibration_with(groups, current[3], bank.num_layers, *current[:3], restart_projection)
     fit = ProbeFit(cal, res.kl, res.recompute_pct, res.probe_pct, res.top1, stale, evaluated)
     fit.calibration = cal.model_copy(update={"fit": {
         "budget_pct": budget_pct, "groups": [list(g) for g in groups], "group_tau": list(current[3]),

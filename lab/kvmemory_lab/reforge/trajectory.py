@@ -309,8 +309,13 @@ class PolicyReplay:
             plan = extend_while_stale(r, bank.num_layers,
                                       lambda layer, reach: float(table[layer - r, t, anchor[layer - r]]),
                                       policy.probe, account, cost, r_kv=bank.invalid[0],
-                                      row_share=min(policy.probe.rows or rows, rows) / rows)
-            probed = plan.probe_layers  # probes + valid layers run for the probed rows to reach one
+                                      row_share=min(policy.probe.rows or rows, rows) / rows,
+                                      project=lambda layer: float(table[layer - r, t, anchor[layer - r]]),
+                                      projection_cost=probe_cost(self.model.config, rows, rows))
+            if plan.projected is not None:
+                anchor[plan.projected - r] = t
+            # probes + valid layers run for the probed rows to reach one + the restart projection
+            probed = plan.probe_layers + plan.projection_layers
             account.charge(probed)
             decision = Decision("probed", bank.invalid[0], r, plan.end, [], distances, [0.0] * bank.num_layers)
         else:
