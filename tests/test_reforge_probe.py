@@ -25,13 +25,15 @@ from test_reforge import LAYERS, MSGS, calibrated_profile, fresh_logits, lora_ti
 ATOL = 1e-4  # fp32: a maintained cache equals Re-prefill to rounding
 
 
-def _profile(num_layers: int, thresholds, rows: int = 8, carry: float = 8.0) -> ReforgeProfile:
-    return calibrated_profile(num_layers, probe=ProbeCalibration(thresholds=list(thresholds), rows=rows, carry=carry))
+def _profile(num_layers: int, thresholds, rows: int = 8, carry: float = 8.0, projection: bool = False) -> ReforgeProfile:
+    return calibrated_profile(num_layers, probe=ProbeCalibration(thresholds=list(thresholds), rows=rows, carry=carry,
+                                                                 restart_projection=projection))
 
 
-def _probed(budget_pct: float, tau: float = 0.0, rows: int = 8) -> ReforgeConfig:
+def _probed(budget_pct: float, tau: float = 0.0, rows: int = 8, projection: bool = False) -> ReforgeConfig:
     """τ = 0: every probed layer is stale enough, so the range grows as far as the budget allows."""
-    return ReforgeConfig(policy="probed", profile=_profile(LAYERS, [None, None] + [tau] * (LAYERS - 2), rows),
+    thresholds = [None, None] + [tau] * (LAYERS - 2)
+    return ReforgeConfig(policy="probed", profile=_profile(LAYERS, thresholds, rows, projection=projection),
                          budget_pct=budget_pct)
 
 
@@ -243,11 +245,13 @@ def test_restart_projection_extends_to_a_fresh_prefill_when_every_layer_is_stale
     assert torch.allclose(s.next_logits, fresh_logits(pm, tokenizer, MSGS).next_logits, atol=ATOL)
 
 
+@pytest.mark.parametrize("projection", [False, True])
 @pytest.mark.parametrize("order", ["edit_then_update", "update_then_edit"])
-def test_probed_updates_and_edits_compose_exactly(tokenizer, order):
+def test_probed_updates_and_edits_compose_exactly(tokenizer, order, projection):
     pm = lora_tiny()
     edited = [m for m in MSGS if m["id"] != "t2"]
-    s = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=100 if order == "edit_then_update" else 20))
+    budget = 100 if order == "edit_then_update" else 20
+    s = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=budget, projection=projection))
     s.prepare(MSGS)
     if order == "edit_then_update":
         s.prepare(edited)
@@ -262,16 +266,17 @@ def test_probed_updates_and_edits_compose_exactly(tokenizer, order):
     s.check_invariants()
 
 
-def test_strict_erase_and_import_after_a_probed_update(tokenizer):
+@pytest.mark.parametrize("projection", [False, True])
+def test_strict_erase_and_import_after_a_probed_update(tokenizer, projection):
     pm = lora_tiny()
-    s = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=20))
+    s = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=20, projection=projection))
     s.prepare(MSGS)
     nudge(pm, 2, "v_proj", scale=2.0)
     s.maintain()
     assert s.adapter_versions.mixed
     state = export_state(s, "tiny")
     state = CacheState.from_parts(state.tensors(), state.metadata())
-    restored = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=20))
+    restored = KVSession(pm, tokenizer, "replay", reforge=_probed(budget_pct=20, projection=projection))
     import_state(restored, state)
     restored.prepare(MSGS)
     report = restored.reforge.last_report
@@ -333,6 +338,39 @@ def test_real_model_probed_budget_probe_edit_and_import(real_lora, tokenizer):
     restored.prepare(msgs)
     assert restored.reforge.last_report.incomparable == list(range(16, 30))
     assert torch.allclose(restored.next_logits, ref.next_logits, atol=ATOL)
+    edited = [m for m in msgs if m["id"] != "t2"]
+    s.prepare(edited)
+    assert torch.allclose(s.next_logits, fresh_logits(model, tokenizer, edited).next_logits, atol=ATOL)
+
+
+@pytest.mark.real_model
+def test_real_model_restart_projection_refreshes_layer_15_exactly(real_lora, tokenizer):
+    """SmolLM2 + rank-8 LoRA on v_proj@15 at 5 %: the projection rewrites layer 15's K/V as a
+    Re-prefill's (every row but the request row), costs 6.25 % of a layer, leaves 16–29 stale
+    and lowers the KL to fresh below stale reuse; an edit afterwards is exact."""
+    from kvmemory.reforge.online import OnlineAdapter
+
+    model = real_lora
+    msgs = history()[:4] + [QUERY]
+    thresholds = [None] * 15 + [math.inf] + [0.0] * 14  # the gate never opens: projection only
+    config = ReforgeConfig(policy="probed", profile=_profile(30, thresholds, rows=16, projection=True), budget_pct=5)
+    s = KVSession(model, tokenizer, "replay", reforge=config)
+    s.prepare(msgs)
+    stale = s.fork()
+    OnlineAdapter(model, tokenizer, {}, lr=5e-2).update(history()[:2], "Helmsford")
+    ref = fresh_logits(model, tokenizer, msgs)
+    report = s.maintain()
+    n = len(s.token_ids)
+    assert (report.action, report.projected) == ("reuse", 15)
+    assert s.adapter_versions.stale_layers == list(range(16, 30))
+    assert report.recompute_pct == pytest.approx(100 * probe_cost(model.config, n - 1, n - 1) / 30)
+    keys, values = kvcache.layer_tensors(s.cache)[15]
+    fresh = _fresh_kv(model, tokenizer, msgs, 15, 0, n - 1)
+    scale = float(fresh[1].abs().max())
+    torch.testing.assert_close(values[:, :, :n - 1], fresh[1], rtol=0, atol=max(1e-4, 1e-5 * scale))
+    torch.testing.assert_close(keys[:, :, :n - 1], fresh[0], rtol=0, atol=max(1e-4, 1e-5 * float(fresh[0].abs().max())))
+    stale.maintain(policy="stale")
+    assert 0 < first_token_kl(ref.next_logits, s.next_logits) < first_token_kl(ref.next_logits, stale.next_logits)
     edited = [m for m in msgs if m["id"] != "t2"]
     s.prepare(edited)
     assert torch.allclose(s.next_logits, fresh_logits(model, tokenizer, edited).next_logits, atol=ATOL)
