@@ -306,12 +306,14 @@ class PolicyReplay:
             table = self.probe_values(b, policy.probe.rows)[i]
             rows = bank.prompts[i].token_ids.shape[0] - 1
             cost = probe_cost(self.model.config, policy.probe.rows or rows, rows)
-            plan = extend_while_stale(r, bank.num_layers,
-                                      lambda layer, reach: float(table[layer - r, t, anchor[layer - r]]),
+
+            def deviation(layer: int) -> float:  # what a probe or the restart projection measures
+                return float(table[layer - r, t, anchor[layer - r]])
+
+            plan = extend_while_stale(r, bank.num_layers, lambda layer, reach: deviation(layer),
                                       policy.probe, account, cost, r_kv=bank.invalid[0],
                                       row_share=min(policy.probe.rows or rows, rows) / rows,
-                                      project=lambda layer: float(table[layer - r, t, anchor[layer - r]]),
-                                      projection_cost=probe_cost(self.model.config, rows, rows))
+                                      project=deviation, projection_cost=probe_cost(self.model.config, rows, rows))
             if plan.projected is not None:
                 anchor[plan.projected - r] = t
             # probes + valid layers run for the probed rows to reach one + the restart projection
