@@ -13,8 +13,8 @@ measure and, above ``threshold``, escalates the thread. Measures:
   ``tokens`` tokens) or when the mean KL per position exceeds ``threshold``. The sample records
   the mean KL (``kl``) and the teacher-forced top-1 agreement (``tf_agreement``).
 
-Escalation: its budget b rises by ``step`` points (up to 100 %, i.e. Replay) or it switches to
-Replay at once. Escalations apply to the thread's later repairs; the answer of the sampled repair
+Escalation: the thread switches to Replay at once (the default) or its budget b rises by ``step``
+points (up to 100 %, i.e. Replay). Escalations apply to the thread's later repairs; the answer of the sampled repair
 is never delayed, and the live cache is never read after the copy or written at all.
 """
 
@@ -42,6 +42,9 @@ REPAIR_EDITS = ("delete", "replace", "insert")  # edits that leave stale rows (a
 # calibrated on the quality benchmark's QA and NIAH repairs (benchmarks/results/fidelity/README.md)
 DEFAULT_MEASURE = "teacher_forced"
 DEFAULT_THRESHOLD = 1e-2
+# a thread whose repair diverged gets Replay: raising b by 25 points at a time recovered none of
+# the later divergent answers on the deletion chats of benchmarks/results/fidelity/README.md
+DEFAULT_ACTION = "replay"
 
 
 class GuardConfig(Settings):
@@ -52,8 +55,10 @@ class GuardConfig(Settings):
         threshold: the measure (KL in nats) above which the thread escalates.
         measure: ``first_token`` or ``teacher_forced`` (see the module docstring).
         tokens: answer tokens the ``teacher_forced`` measure decodes and scores (>= 1).
-        step: budget points (%) added to the thread's budget per escalation, in (0, 100].
-        action: ``raise_budget`` (b += step, up to 100 = Replay) or ``replay`` (switch at once).
+        step: budget points (%) added to the thread's budget per escalation, in (0, 100]
+            (``raise_budget`` only).
+        action: ``replay`` (switch the thread to Replay at once, the default) or ``raise_budget``
+            (b += step, up to 100 = Replay).
         seed: seeds the per-thread draws (thread ``t`` draws from ``Random(f"{seed}:{t}")``).
 
     Raises:
@@ -65,7 +70,7 @@ class GuardConfig(Settings):
     measure: Literal["first_token", "teacher_forced"] = DEFAULT_MEASURE
     tokens: int = Field(32, ge=1, le=256)
     step: float = Field(25.0, gt=0.0, le=100.0)
-    action: Literal["raise_budget", "replay"] = "raise_budget"
+    action: Literal["raise_budget", "replay"] = DEFAULT_ACTION
     seed: int = 0
 
 

@@ -49,7 +49,8 @@ def test_fraction_zero_does_nothing(llama, tokenizer):
 
 def test_injected_fault_escalates_the_thread_step_by_step(llama, tokenizer, monkeypatch):
     _unrotated(monkeypatch)
-    guard = FidelityGuard(llama, {"fraction": 1.0, "threshold": 2e-7, "step": 40})  # a random model is near-uniform
+    guard = FidelityGuard(llama, {"fraction": 1.0, "threshold": 2e-7, "step": 40,
+                                  "action": "raise_budget"})  # a random model is near-uniform
     labels = []
     for _ in range(4):
         _, label, sampled = _edited(llama, tokenizer, guard, "shift")
@@ -64,9 +65,9 @@ def test_injected_fault_escalates_the_thread_step_by_step(llama, tokenizer, monk
     assert guard.policy_for("other", "shift").label == "shift"  # escalation is per thread
 
 
-def test_replay_action_switches_at_once(llama, tokenizer, monkeypatch):
+def test_default_action_switches_to_replay_at_once(llama, tokenizer, monkeypatch):
     _unrotated(monkeypatch)
-    guard = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=2e-7, action="replay"))
+    guard = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=2e-7))  # action="replay" by default
     _edited(llama, tokenizer, guard, "sur@5")
     guard.wait(60)
     assert guard.thread_info("t")["replay"] and guard.policy_for("t", "sur@5").label == "replay"
@@ -118,7 +119,7 @@ def test_chat_model_reports_the_guard_and_summarises_it(llama, tokenizer, monkey
     _unrotated(monkeypatch)
     loaded = LoadedModel(llama, tokenizer, "tiny-llama", Path("tiny-llama"), torch.float32)
     llm = ChatKVMemory(model=loaded, max_tokens=2, repair_policy="shift",
-                       guard={"fraction": 1.0, "threshold": 0.0, "step": 50})
+                       guard={"fraction": 1.0, "threshold": 0.0, "step": 50, "action": "raise_budget"})
     config = {"configurable": {"thread_id": "g"}}
     msgs = [SystemMessage("You are brief.", id="s"), HumanMessage("First question here.", id="a"),
             HumanMessage("Second question here.", id="b")]
@@ -163,7 +164,9 @@ def test_teacher_forced_measure_scores_reprefill_answer_tokens(llama, tokenizer)
     probe = reference.fork()
     answer = reference.generate(max_new_tokens=5).token_ids
     expected = answer_fidelity(teacher_forced_logits(probe, answer), teacher_forced_logits(session, answer), answer, answer)
-    assert sample["kl"] == pytest.approx(expected.tf_kl, rel=1e-3, abs=1e-9) and sample["kl"] > 0
+    # the guard decodes Re-prefill token by token, the hand computation in one forward: with 2 threads
+    # their fp32 summation orders differ by ~0.5 % of this near-uniform model's tiny KL
+    assert sample["kl"] == pytest.approx(expected.tf_kl, rel=1e-2, abs=1e-9) and sample["kl"] > 0
     assert sample["escalated"]
     exact = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-6, measure="teacher_forced", tokens=5))
     _edited(llama, tokenizer, exact, "replay", thread="r")
@@ -175,7 +178,8 @@ def test_teacher_forced_measure_scores_reprefill_answer_tokens(llama, tokenizer)
 def test_default_guard_catches_a_late_split_the_first_token_misses(real):
     """A QA deletion where SUR@2's first-token KL (~9e-3) stays under the former default threshold
     (1e-2) although its greedy answer differs from Re-prefill's: the default teacher-forced
-    measure escalates it, the first-token measure at 1e-2 does not, and Replay stays clean."""
+    measure escalates it (the thread switches to Replay), the first-token measure at 1e-2 does
+    not, and Replay stays clean."""
     from kvmemory_lab.demo_cases import default_data_dir
     from kvmemory_lab.evaluation import qa_cases
 
@@ -195,6 +199,8 @@ def test_default_guard_catches_a_late_split_the_first_token_misses(real):
     assert default.wait(600) and first_token.wait(600)
     caught, missed = default.thread_info("sur@2")["last_sample"], first_token.thread_info("sur@2")["last_sample"]
     assert caught["escalated"] and caught["tf_agreement"] < 1.0
+    assert default.policy_for("sur@2", "sur@2").label == "replay"  # the default action: Replay at once
+    assert first_token.policy_for("sur@2", "sur@2").label == "sur@2"
     assert not missed["escalated"] and 1e-4 < missed["kl"] < 1e-2
     clean = default.thread_info("replay")["last_sample"]
     assert not clean["escalated"] and clean["tf_agreement"] == 1.0
