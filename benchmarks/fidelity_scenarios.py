@@ -3,12 +3,12 @@
 - ``name``: the user corrects an earlier message ("My name is Bob." -> "My name is Alice.",
   same id) after k further exchanges, then asks "What is my name?". The assistant replies in the
   history are the model's own greedy replies to the original conversation.
-- ``deletions``: an agent chat of ~1,000-1,500 tokens (ten HotpotQA passages as tool results)
+- ``deletions``: an agent chat of ~800-3,300 tokens (ten HotpotQA passages as tool results)
   from which four distractor passages are deleted one after another; after each deletion the
   question is asked again. Every policy repairs its own session across the four steps (errors
   compound, as in a live thread); each step is compared with a Re-prefill of the same history.
-  ``sur@5+guard`` runs SUR@5 with the fidelity guard checking every repair (``fraction=1``,
-  default measure and action; ``sur@5+guard:replay`` / ``:raise_budget`` name the action); its
+  ``sur@5+guard:replay`` runs SUR@5 with the fidelity guard checking every repair (``fraction=1``,
+  default measure; ``:raise_budget`` the other action, no suffix the default action); its
   later repairs use the escalated policy (the check is awaited before the next step: the
   guard's best case).
 
@@ -174,7 +174,8 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=3, help="deletion chats (HotpotQA questions)")
     parser.add_argument("--skip", type=int, default=20, help="HotpotQA cases skipped (the demo's come first)")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--guarded", default="sur@5+guard", help="guarded methods of the deletion chats")
+    parser.add_argument("--guarded", default="sur@5+guard:raise_budget,sur@5+guard:replay",
+                        help="guarded methods of the deletion chats (policy+guard[:action])")
     parser.add_argument("--scenarios", default="name,deletions")
     parser.add_argument("--quick", action="store_true", help="one name pair, one chat (a smoke run)")
     args = parser.parse_args()
