@@ -93,6 +93,7 @@ def measure(session, report, ref, ref_rows, guard, thread: str) -> dict:
     from kvmemory.divergence import first_token_kl
     from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
     from kvmemory_lab.evaluation.decoding import verified_greedy
+    from kvmemory_lab.metrics import answers_agree
 
     rows = teacher_forced_logits(session.fork(), ref.token_ids)
     answer = verified_greedy(session.fork(), ref.token_ids, ANSWER_TOKENS)
@@ -101,7 +102,7 @@ def measure(session, report, ref, ref_rows, guard, thread: str) -> dict:
     guard.wait()
     sample = guard.thread_info(thread)["last_sample"]
     kl1 = first_token_kl(ref.first_logits, answer.first_logits)
-    return {"answer": answer.text.strip(), "reference": ref.text.strip(), "agree": answer.text.strip() == ref.text.strip(),
+    return {"answer": answer.text.strip(), "reference": ref.text.strip(), "agree": answers_agree(answer.text, ref.text),
             "tf_agreement": fid.tf_agreement, "tf_kl": fid.tf_kl, "common_prefix": fid.common_prefix,
             "first_token_kl": kl1, "recomputed_tokens": report.recomputed_tokens, "operator": report.operator,
             "budget": report.budget, "fallback": report.fallback,
@@ -119,9 +120,10 @@ def run_case(lm, case: dict, methods: list[str], guard_cls) -> list[dict]:
     check = guard_cls(lm.model, {"fraction": 1.0})  # one fresh thread per check: a verdict, no escalation carried
     rows = []
     for method in methods:
-        policy, guarded, action = method.partition("+guard")
-        session, action = base.fork(), action.removeprefix(":")
-        loop_guard = guard_cls(lm.model, {"fraction": 1.0, **({"action": action} if action else {})}) if guarded else None
+        policy, guarded, action = method.partition("+guard")  # e.g. "sur@5+guard:replay"
+        config = {"fraction": 1.0, **({"action": action[1:]} if action else {})}
+        loop_guard = guard_cls(lm.model, config) if guarded else None
+        session = base.fork()
         for s, (messages, (ref, ref_rows)) in enumerate(zip(case["steps"], refs)):
             used = loop_guard.policy_for("thread", policy) if loop_guard else policy
             report = session.prepare(messages, policy=used)
