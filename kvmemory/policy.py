@@ -82,6 +82,14 @@ class RepairPolicy(Settings):
     (refreshed / S, in %; 100 after a Replay).
     Label: ``sur@auto:<signal>:<tolerance>`` (e.g. ``sur@auto:kv_change:0.06``).
 
+    Decode-time Replay (our extension, off by default): with ``replay_margin`` > 0, a greedy
+    answer decoded while the cache still holds rows a sparse repair left stale watches the
+    top-1/top-2 logit margin (nats) of every pick; at the first pick whose margin is below
+    ``replay_margin``, the stale suffix and the answer so far are replayed exactly and the pick
+    is made again from exact logits. Divergent answers split at near-ties, so the answer stays on
+    Re-prefill's track at the price of a Replay where the margin is thin (reported as
+    ``decode_replay`` and ``fallback``). Label suffix ``:margin=<nats>``, e.g. ``shift:margin=0.03``.
+
     Selection options of the text allocators (sur, dense, window; our extension, defaults are the
     paper's): ``relevance="idf"`` weights each query token and the identical-token bonus of eq. 1
     by the token's inverse frequency over the prompt's semantic units, so tokens found in most
@@ -113,6 +121,7 @@ class RepairPolicy(Settings):
     relevance: Relevance = "paper"
     ties: Ties = "earliest"
     tail_tokens: int = Field(0, ge=0, strict=True)
+    replay_margin: float = Field(0.0, ge=0.0, strict=True)
 
     @field_validator("budget")
     @classmethod
@@ -152,7 +161,8 @@ class RepairPolicy(Settings):
         ``<allocator>@auto[:<signal>][:<tolerance>]`` (adaptive budget, e.g. ``sur@auto``,
         ``sur@auto:0.1``, ``sur@auto:query_kl:0.0001``). Selection options follow the allocator: ``+idf``
         (relevance="idf"), ``+latest`` (ties="latest"), ``+tail<N>`` (tail_tokens=N), e.g.
-        ``sur+idf+tail32@5``.
+        ``sur+idf+tail32@5``. Decode-time Replay follows the whole label: ``:margin=<nats>``
+        (replay_margin), e.g. ``shift:margin=0.03``, ``sur@5:margin=0.1``.
 
         Raises:
             InputTypeError (TypeError): neither a RepairPolicy nor a str.
@@ -162,6 +172,13 @@ class RepairPolicy(Settings):
             return policy
         if not isinstance(policy, str):
             raise InputTypeError(f"policy must be a RepairPolicy or a label like 'sur@5', got {type(policy).__name__}")
+        base, marked, margin = policy.partition(":margin=")
+        if marked:
+            try:
+                return cls.coerce(base).model_copy(update={"replay_margin": cls._margin(margin)})
+            except ValueError as exc:
+                raise InputError(f"bad policy label {policy!r} ({exc}): the suffix is :margin=<nats>, "
+                                 "e.g. shift:margin=0.03") from exc
         if policy in ("dirty", "shift", "replay", "reprefill", "refresh"):
             return cls(operator=policy)
         if policy == "reprefill:always":
@@ -181,6 +198,13 @@ class RepairPolicy(Settings):
                 f"bad policy label {policy!r} ({detail}): use dirty, shift, replay, reprefill, reprefill:always "
                 "or <allocator>@<budget> such as sur@5"
             ) from exc
+
+    @staticmethod
+    def _margin(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"the margin is a logit gap in nats >= 0, got {text}")
+        return value
 
     @property
     def adaptive(self) -> bool:
@@ -209,7 +233,11 @@ class RepairPolicy(Settings):
     @property
     def label(self) -> str:
         """Short name: ``dirty``, ``shift``, ``sur@5``, ``bm25@2``, ``replay``, ``reprefill``,
-        ``reprefill:always``."""
+        ``reprefill:always``; ``:margin=<nats>`` follows when decode-time Replay is on."""
+        base = self._base_label()
+        return f"{base}:margin={self.replay_margin:g}" if self.replay_margin > 0 else base
+
+    def _base_label(self) -> str:
         if self.forces_reprefill:
             return "reprefill:always"
         if self.operator != "refresh":
@@ -283,6 +311,11 @@ class RepairReport:
     ``adaptive`` (``budget="auto"`` only): ``{"signal", "tolerance", "max_budget", "stopped_by"
     ("signal" | "cap"), "spent_budget" (%), "probe_tokens", "rounds": [{"budget" (% asked),
     "refreshed" (rows so far), "new_rows", "value" (the signal, None when undefined)}]}``.
+
+    ``decode_replay`` (``replay_margin`` > 0 only, set while the answer decodes): ``{"at_token"
+    (answer tokens picked before it), "margin" (nats, the pick's top-1/top-2 logit gap),
+    "replay_margin", "recomputed_tokens" (stale suffix + answer so far), "ms"}``; None when no
+    pick fell below the margin. Its rows are not in ``recomputed_tokens`` (that counts ``prepare``).
     """
 
     operator: str
@@ -313,6 +346,7 @@ class RepairReport:
     engine: dict | None = None  # {"name", "reason"}: what computed the rows (kvmemory.engine.status)
 
     adaptive: dict | None = None  # budget="auto": rounds, signal values, stop reason, budget spent
+    decode_replay: dict | None = None  # replay_margin: where the answer's decode replayed the stale suffix
 
     def to_dict(self) -> dict:
         return asdict(self)

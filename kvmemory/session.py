@@ -3,11 +3,11 @@ that keep them in step with an edited message list."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -37,7 +37,7 @@ PROMPT_LOOKUP_TOKENS = 2  # draft tokens checked per greedy forward (kvmemory.lo
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
+@dataclasses.dataclass
 class Generation:
     """A decoded answer. ``first_logits``: fp32 ``[vocab]`` distribution logits of the first
     answer token; ``decode_ms``: milliseconds spent decoding; ``finish_reason``: stop | length."""
@@ -152,6 +152,7 @@ class KVSession:
         # (its end-of-turn token is never cached), so that an identical request needs no forward
         self._row_logits: tuple[tuple, torch.Tensor] | None = None
         self.last_report: RepairReport | None = None
+        self._replay_margin = 0.0  # the last prepare's policy.replay_margin (decode-time Replay)
         self.answer_committed = False  # rendered holds the last answer as a message (no generation prompt)
         self.reforge.reset()
 
@@ -209,6 +210,7 @@ class KVSession:
         other._row_logits = None if self._row_logits is None else (self._row_logits[0], self._row_logits[1].clone())
         other.reforge = self.reforge.clone()
         other.pending_erasures = list(self.pending_erasures)
+        other.last_report = None if self.last_report is None else dataclasses.replace(self.last_report)
         return other
 
     # --------------------------------------------------------------- prepare
@@ -300,6 +302,7 @@ class KVSession:
         self.next_logits, self.exact_rows = result.next_logits, result.exact_rows
         self._row_logits = (self._rows_key(), result.next_logits)
         self.last_report, self.answer_committed = report, False
+        self._replay_margin = policy.replay_margin
         return report
 
     def _kept_rows(self, policy: RepairPolicy) -> int:
@@ -448,6 +451,9 @@ class KVSession:
         calling ``generate`` again continues the same answer. ``logits_processor`` follows the
         transformers ``LogitsProcessor`` call convention, ``prompt_lookup`` overrides the
         session's draft length (see :meth:`stream_tokens`).
+        Greedy answers after a repair whose policy sets ``replay_margin`` replay the stale rows
+        exactly at the first pick with a thinner top-1/top-2 margin (``last_report.decode_replay``;
+        see :class:`~kvmemory.policy.RepairPolicy`).
 
         Raises:
             InputError / InputTypeError: ``max_new_tokens`` not an int >= 1, ``temperature`` not a
@@ -534,6 +540,9 @@ class KVSession:
         history[:len(self.token_ids)] = torch.tensor(self.token_ids, dtype=torch.long)
         try:
             for emitted in range(1, limit + 1):
+                margin = self._thin_margin() if temperature <= 0 else None
+                if margin is not None:
+                    self._replay_stale(adapter, capacity, answered=emitted - 1, margin=margin)
                 n = len(self.token_ids)
                 logits = self.next_logits
                 if logits_processor is not None:
@@ -553,6 +562,43 @@ class KVSession:
                                    history=history[:n + 1].numpy())
         finally:
             self._drop_draft(adapter)
+
+    def _thin_margin(self) -> float | None:
+        """The pending pick's top-1/top-2 logit margin (nats, before any logits processor) when
+        decode-time Replay is due: stale rows remain and it is below the policy's
+        ``replay_margin``; None otherwise."""
+        if self._replay_margin <= 0 or self.exact_rows >= len(self.token_ids):
+            return None
+        top = torch.topk(self.next_logits.float(), 2).values
+        margin = float(top[0] - top[1])
+        return margin if margin < self._replay_margin else None
+
+    def _replay_stale(self, adapter, capacity: int, answered: int, margin: float) -> None:
+        """Recompute every row after ``exact_rows`` (the stale suffix and the answer so far) in one
+        forward from the exact prefix, as Replay would, and take the exact next-token logits.
+        Recorded in ``last_report.decode_replay`` and ``fallback``. A cache whose rows cannot be
+        dropped keeps its rows (decode-time Replay is then off for this answer)."""
+        t0 = time.perf_counter()
+        start = self.exact_rows
+        tail = self.token_ids[start:]
+        self._drop_draft(adapter)
+        try:
+            self._drop_rows_from(start, adapter)
+        except ValueError:
+            self._replay_margin = 0.0
+            return
+        logits = self._forward_tracked(torch.tensor(tail), adapter, capacity)
+        self.token_ids.extend(tail)
+        self.exact_rows, self.stale_budget = len(self.token_ids), 0.0
+        self.next_logits = logits
+        entry = {"at_token": answered, "margin": margin, "replay_margin": self._replay_margin,
+                 "recomputed_tokens": len(tail), "ms": (time.perf_counter() - t0) * 1000.0}
+        reason = (f"decode margin {margin:.3g} < {self._replay_margin:g} nats at answer token {answered}: "
+                  f"Replay of the {len(tail)} stale and answer rows")
+        log.warning("kvmemory: exact recomputation during decoding: %s", reason)
+        if self.last_report is not None:
+            self.last_report.decode_replay = entry
+            self.last_report.fallback = self.last_report.fallback or reason
 
     def _append_token(self, token: int, adapter, capacity: int, draft_tokens: int = 0, history=None) -> None:
         """Give ``token`` (just picked) its cache row and set ``next_logits`` to the logits after it.

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 REPORT_KEYS = ("operator", "budget", "allocator", "prompt_tokens", "reused_tokens", "recomputed_tokens",
                "refreshed_tokens", "stale_tokens", "shifted_tokens", "intervals", "edits", "fallback",
-               "capability_notes", "executor", "executor_fallback", "latency_ms", "adapter", "engine")
+               "capability_notes", "executor", "executor_fallback", "latency_ms", "adapter", "engine", "decode_replay")
 
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"

@@ -48,3 +48,15 @@ def test_bad_shard_names_the_fix(tmp_path, capsys):
         with pytest.raises(SystemExit, match="K/N"):
             main(ARGS + ["--out", str(tmp_path), "--shard", bad])
     assert not (tmp_path / "cases.jsonl").exists()
+
+
+def test_disjoint_runs_pool_into_one_report(tmp_path):
+    first, second, pooled = tmp_path / "a", tmp_path / "b", tmp_path / "pooled"
+    assert main(ARGS + ["--out", str(first), "--shard", "0/2"]) == 0
+    assert main(ARGS + ["--out", str(second), "--shard", "1/2"]) == 0
+    assert main(["bench", "quality", "--report-only", "--pool", f"{first},{second}", "--out", str(pooled)]) == 0
+    summary = json.loads((pooled / "summary.json").read_text())
+    assert summary["meta"]["n_cases"] == 2 and summary["meta"]["pooled_from"] == [str(first), str(second)]
+    assert not (pooled / "cases.jsonl").exists()  # the report points at the runs, it does not copy them
+    with pytest.raises(SystemExit, match="repeats cases"):
+        main(["bench", "quality", "--report-only", "--pool", f"{first},{first}", "--out", str(pooled)])

@@ -78,6 +78,15 @@ def test_mid_history_edit_is_repaired_and_reported(tiny_chat):
     assert per_call.response_metadata["repair"]["operator"] == "reprefill"
 
 
+def test_decode_time_replay_is_reported_in_the_response(tiny_chat):
+    llm = tiny_chat(repair_policy="shift:margin=1e9")  # any margin is thin: replays before the first pick
+    cfg = {"configurable": {"thread_id": "margin"}}
+    llm.invoke(_agent_history(PASSAGE), config=cfg)
+    repair = llm.invoke(_agent_history("[cleared]"), config=cfg).response_metadata["repair"]
+    assert repair["operator"] == "shift" and repair["decode_replay"]["at_token"] == 0
+    assert repair["decode_replay"]["recomputed_tokens"] > 0 and "decode margin" in repair["fallback"]
+
+
 def test_thread_id_comes_from_the_langgraph_run_config(tiny_chat):
     llm = tiny_chat(max_tokens=2)
 

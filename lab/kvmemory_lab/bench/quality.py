@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "processes on one --out share the remaining cases anyway")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite summary.json, report.md and plots from the cases already in --out/cases.jsonl")
+    parser.add_argument("--pool", default=None, metavar="DIR,DIR,...",
+                        help="with --report-only: write one report into --out from the cases of these finished "
+                             "runs (e.g. held-out seeds run apart); their cases must not overlap")
 
 
 def _settings(args) -> dict:
@@ -155,7 +158,8 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
     # method scores that answer teacher-forced before decoding its own (the rows are cropped again)
     probe = fork.fork() if label == "reprefill" else None
     rows = None if probe is not None else teacher_forced_logits(fork, runs["reprefill"].token_ids)
-    verified = settings["answers"] == "verified" and label not in REFERENCES
+    # decode-time Replay acts inside the session's own decoding: those answers go step by step
+    verified = settings["answers"] == "verified" and label not in REFERENCES and not policy.replay_margin
     if verified:  # proposals: Re-prefill's answer first, then every answer already decoded on this case
         others = [g.token_ids for name, g in runs.items() if name != "reprefill"]
         gen = verified_greedy(fork, runs["reprefill"].token_ids, settings["max_new_tokens"], alternatives=others)
@@ -205,7 +209,9 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
         "stale_tokens": report.stale_tokens,
         "allowance": B,
         "refreshed_tokens": report.refreshed_tokens,
-        "recomputed_tokens": report.recomputed_tokens,
+        # decode-time Replay's rows count as recomputed: they are part of what the answer cost
+        "recomputed_tokens": report.recomputed_tokens + (report.decode_replay or {}).get("recomputed_tokens", 0),
+        "decode_replay": report.decode_replay,
         "intervals": report.intervals,
         "spans": [list(s) for s in report.spans],
         "fallback": report.fallback,
@@ -242,6 +248,33 @@ def load_records(path: Path) -> list[dict]:
     return out
 
 
+def pool_runs(folders: list[Path]) -> tuple[list[dict], dict]:
+    """The case records of several finished runs and a config naming them (``pooled_from``, seeds).
+    Adaptive methods are relabelled ``<allocator>@auto:<signal>:<tolerance>`` from what their
+    repairs report, so runs made when another signal was the default pool by signal.
+
+    Raises:
+        SystemExit: a folder without cases, or a case found in two runs."""
+    records, configs, seen = [], [], set()
+    for folder in folders:
+        found = load_records(folder / "cases.jsonl")
+        if not found:
+            raise SystemExit(f"--pool: no finished cases in {folder / 'cases.jsonl'}")
+        twice = seen & {r["case_id"] for r in found}
+        if twice:
+            raise SystemExit(f"--pool: {folder} repeats cases of an earlier run ({sorted(twice)[0]}, ...): pool disjoint runs")
+        seen |= {r["case_id"] for r in found}
+        for record in found:
+            for row in record["methods"]:
+                if row.get("adaptive"):
+                    info = row["adaptive"]
+                    row["method"] = f"{row['method'].split('@')[0]}@auto:{info['signal']}:{info['tolerance']:g}"
+        records += found
+        configs.append(json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {})
+    meta = {**configs[0], "pooled_from": [str(f) for f in folders], "seed": [c.get("seed") for c in configs]}
+    return records, meta
+
+
 def run(args, console) -> int:
     from tqdm import tqdm
 
@@ -256,6 +289,12 @@ def run(args, console) -> int:
     out = args.out or Path("benchmarks/results") / f"quality_{settings['task']}"
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "cases.jsonl"
+    if args.report_only and args.pool:
+        records, meta = pool_runs([Path(d) for d in args.pool.split(",") if d.strip()])
+        (out / "config.json").write_text(json.dumps(meta, indent=2))
+        summary = write_outputs(out, records, meta)
+        console.print(f"pooled {summary['meta']['n_cases']} cases of {len(meta['pooled_from'])} runs into {out}")
+        return 0
     if args.report_only:
         meta = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else settings
         summary = write_outputs(out, load_records(jsonl), meta)

@@ -84,7 +84,18 @@ def aggregate(rows: list[dict]) -> dict:
         "median_intervals": median(m["intervals"] for m in rows),
         "fallbacks": sum(bool(m["fallback"]) for m in rows),
         **_adaptive_stats(rows),
+        **_decode_replay_stats(rows),
     }
+
+
+def _decode_replay_stats(rows: list[dict]) -> dict:
+    """Decode-time Replay (``replay_margin``): the share of answers that replayed, and the share
+    of the divergent answers the margin did not catch before they split."""
+    if not any("decode_replay" in m for m in rows):
+        return {}
+    replayed = [m for m in rows if m.get("decode_replay")]
+    return {"decode_replayed": len(replayed) / len(rows),
+            "decode_replay_at_token": mean(m["decode_replay"]["at_token"] for m in replayed) if replayed else None}
 
 
 def _methods(records: list[dict]) -> list[str]:
@@ -99,7 +110,7 @@ def bootstrap_table(records: list[dict]) -> list[dict]:
     groups = [r["source_id"] for r in records]
     strata = [r["dataset"] for r in records]
     for method in _methods(records):
-        if "@" not in method:
+        if "@" not in method and ":margin=" not in method:
             continue
         for ref in BOOTSTRAP_REFERENCES:
             for metric in ("em", "agree", "gold_in_answer", "tv", "tf_agree"):
@@ -142,7 +153,10 @@ def summarize(records: list[dict], meta: dict) -> dict:
     summary: dict = {}
     for method in _methods(records):
         agg = aggregate(_rows(records, method))
-        if "@" in method:
+        if ":margin=" in method:  # decode-time Replay: keyed by margin under its repair's label
+            base, margin = method.split(":margin=")
+            summary.setdefault(f"decode_replay[{base}]", {})[margin] = agg
+        elif "@" in method:
             allocator, budget = method.split("@")
             if budget.startswith("auto"):  # adaptive: keyed by tolerance, like the fixed budgets
                 key, tolerance = _adaptive_key(allocator, _rows(records, method))
@@ -206,6 +220,7 @@ def markdown(summary: dict) -> str:
                 f"{m['gold_in_answer']:.2f} | {_fmt(m['leak_rate'])} | {m['latency_ms']:.0f} | {m['selection_ms']:.0f} | {m['refresh_ms']:.0f} | "
                 f"{m['answer_ms']:.0f} | {m['recomputed_tokens']:.0f} | {m['intervals']:.1f} |")
     lines += _adaptive_section(summary)
+    lines += _decode_replay_section(summary)
     lines += ["", "## Paired differences (EM, percentage points; 95 % source-paired bootstrap, "
               f"{summary['bootstrap']['replicates']} replicates, seed {summary['bootstrap']['seed']})", "",
               "| method | vs | ΔEM pp | 95 % CI | Δagreement pp | 95 % CI | Δgold-in pp | 95 % CI | ΔTV pp | 95 % CI |",
@@ -235,11 +250,34 @@ def _answer_cells(m: dict) -> str:
 
 def _variants(summary: dict) -> list[str]:
     """Allocators with selection options (``sur+idf``, ``sur+tail32`` ...)."""
-    return [k for k in summary if "+" in k and not k.startswith("adaptive")]
+    return [k for k in summary if "+" in k and not k.startswith(("adaptive", "decode_replay"))]
 
 
 def _adaptive_keys(summary: dict) -> list[str]:
     return [k for k in summary if k.startswith("adaptive")]
+
+
+def _decode_replay_keys(summary: dict) -> list[str]:
+    return [k for k in summary if k.startswith("decode_replay[")]
+
+
+def _decode_replay_section(summary: dict) -> list[str]:
+    """Decode-time Replay rows: fidelity, cost (repair + replayed rows) and how often it replayed."""
+    keys = _decode_replay_keys(summary)
+    if not keys:
+        return []
+    lines = ["", "## Decode-time Replay (replay_margin; our extension)", "",
+             "The repair runs as labelled; a greedy pick whose top-1/top-2 logit margin is below the margin (nats) while "
+             "stale rows remain replays them (and the answer so far) exactly. Recomputed tokens include those rows.", "",
+             "| repair | margin (nats) | agreement | TF agreement | TF KL | common prefix | recomputed | replayed | "
+             "mean answer token at replay | latency ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for key in keys:
+        for margin, m in sorted(summary[key].items(), key=lambda kv: float(kv[0])):
+            lines.append(f"| {key[len('decode_replay['):-1]} | {margin} | {m['agreement']:.2f} | {_answer_cells(m)} | "
+                         f"{m['recomputed_tokens']:.0f} | {m['decode_replayed']:.2f} | {_fmt(m['decode_replay_at_token'], '.1f')} | "
+                         f"{m['latency_ms']:.0f} |")
+    return lines
 
 
 def _adaptive_section(summary: dict) -> list[str]:
@@ -327,16 +365,19 @@ def plots(summary: dict, out: Path) -> list[Path]:
 
 def frontier_plot(summary: dict, path: Path) -> Path:
     """Agreement and teacher-forced agreement vs mean recomputed tokens: references, every fixed
-    budget curve, selection variants and the adaptive budget at its tolerances."""
+    budget curve, selection variants, the adaptive budget at its tolerances and decode-time
+    Replay at its margins."""
     plt = agg_pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(15, 5.5))
-    curves = [a for a in ALLOCATOR_TITLES if a in summary] + _variants(summary) + _adaptive_keys(summary)
+    curves = ([a for a in ALLOCATOR_TITLES if a in summary] + _variants(summary) + _adaptive_keys(summary)
+              + _decode_replay_keys(summary))
     for ax, (metric, label) in zip(axes, (("agreement", "exact-answer agreement with Re-prefill"),
                                           ("tf_agreement", "teacher-forced top-1 agreement"))):
         for name in curves:
             points = sorted((m["recomputed_tokens"], m.get(metric)) for m in summary[name].values() if m.get(metric) is not None)
             if points:
-                style = dict(marker="D", linewidth=2.2) if name.startswith("adaptive") else dict(marker="o", linewidth=1)
+                style = (dict(marker="D", linewidth=2.2) if name.startswith("adaptive") else
+                         dict(marker="P", linewidth=2.2) if name.startswith("decode_replay") else dict(marker="o", linewidth=1))
                 ax.plot([p[0] for p in points], [p[1] for p in points], label=ALLOCATOR_TITLES.get(name, name), **style)
         for ref, marker in (("shift", "s"), ("replay", "^"), ("reprefill", "*")):
             if ref in summary and summary[ref].get(metric) is not None:
