@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, common_prefix, teacher_forced_logits
+from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, common_prefix, teacher_forced_logits, with_decode_replay
 from kvmemory.divergence import first_token_kl
 from kvmemory.policy import RepairPolicy
 from support import QUERY, history, prepared, without
@@ -13,6 +13,14 @@ def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert common_prefix([], [1]) == 0
     assert common_prefix([7, 8], [7, 8]) == 2
+
+
+def test_decode_replay_rows_switch_to_the_reference_at_the_first_thin_margin():
+    method = torch.tensor([[3.0, 1.0, 0.0], [2.0, 1.95, 0.0], [0.0, 1.0, 0.99], [5.0, 0.0, 0.0]])
+    reference = torch.zeros(4, 3)
+    rows = with_decode_replay(method, reference, replay_margin=0.1)  # margins 2, 0.05, 0.01, 5
+    assert torch.equal(rows[:1], method[:1]) and torch.equal(rows[1:], reference[1:])
+    assert torch.equal(with_decode_replay(method, reference, replay_margin=0.005), method)  # none below 0.005
 
 
 def test_scores_hand_computed():

@@ -28,7 +28,7 @@ from kvmemory.session import KVSession
 
 from ..demo_cases import default_data_dir
 from ..evaluation import QA_DATASETS, EvalCase, niah_cases, qa_cases
-from ..evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
+from ..evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits, with_decode_replay
 from ..evaluation.decoding import verified_greedy
 from ..metrics import (
     answers_agree,
@@ -154,6 +154,7 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
     ``reference_rows["reprefill"]`` holds Re-prefill's teacher-forced rows once its answer is known."""
     fork = session.fork()
     report = fork.prepare(edited, policy=policy)
+    stale_after_repair = fork.exact_rows < len(fork.token_ids)
     # Re-prefill runs first: its answer is scored on an untouched copy once decoded; every other
     # method scores that answer teacher-forced before decoding its own (the rows are cropped again)
     probe = fork.fork() if label == "reprefill" else None
@@ -179,6 +180,8 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
     if B is not None and report.refreshed_tokens != B and not report.fallback:
         raise RuntimeError(f"{label} refreshed {report.refreshed_tokens} positions, allowance is {B} (a bug)")
     other = report.latency_ms - report.selection_ms - report.shift_ms - report.refresh_ms
+    if policy.replay_margin and stale_after_repair:  # forced along Re-prefill's answer, it replays as it decodes
+        rows = with_decode_replay(rows, reference_rows["reprefill"], policy.replay_margin)
     fidelity = answer_fidelity(reference_rows["reprefill"], rows, ref.token_ids, gen.token_ids)
     return {
         "method": label,

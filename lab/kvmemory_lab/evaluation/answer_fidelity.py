@@ -69,6 +69,29 @@ def teacher_forced_logits(session, answer_ids: Sequence[int]) -> torch.Tensor:
     return torch.cat([first, out.logits[0].float().cpu()])
 
 
+def with_decode_replay(method_rows: torch.Tensor, reference_rows: torch.Tensor, replay_margin: float) -> torch.Tensor:
+    """Teacher-forced rows of a repair under decode-time Replay (``RepairPolicy.replay_margin``).
+
+    Forced along Re-prefill's answer, the repaired cache picks as ``method_rows`` until the first
+    position whose top-1/top-2 logit margin is below ``replay_margin`` (nats); there the session
+    replays its stale rows exactly, so from that position on its rows are Re-prefill's (equal up
+    to fp32 summation order). Pass only when the repair left stale rows (else nothing replays).
+
+    Args:
+        method_rows, reference_rows: ``[T, vocab]`` from :func:`teacher_forced_logits`.
+        replay_margin: nats (> 0).
+
+    Returns:
+        ``[T, vocab]``: ``method_rows`` before the first thin margin, ``reference_rows`` after.
+    """
+    top = method_rows.topk(2, dim=-1).values
+    thin = ((top[:, 0] - top[:, 1]) < replay_margin).nonzero()
+    if not len(thin):
+        return method_rows
+    first = int(thin[0])
+    return torch.cat([method_rows[:first], reference_rows[first:]])
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Number of leading tokens two answers share."""
     n = 0
