@@ -10,7 +10,9 @@
   ``sur@5+guard:replay`` runs SUR@5 with the fidelity guard checking every repair (``fraction=1``,
   default measure; ``:raise_budget`` the other action, no suffix the default action); its
   later repairs use the escalated policy (the check is awaited before the next step: the
-  guard's best case).
+  guard's best case). A decode-time Replay label (``sur@5:margin=0.01``) decodes the answer in
+  the thread's own session, so the exact rows of a replay carry to the next step; its
+  recomputed tokens include the replayed rows.
 
 Per repair: greedy answer vs Re-prefill's (exact text), teacher-forced top-1 agreement and KL over
 Re-prefill's answer, common prefix, first-token KL, recomputed tokens, and whether the fidelity
@@ -88,29 +90,38 @@ def reference(session, messages):
     return answer, teacher_forced_logits(rows_from, answer.token_ids)
 
 
-def measure(session, report, ref, ref_rows, guard, thread: str) -> dict:
-    """One repaired session (left untouched) against Re-prefill's answer."""
+def measure(session, report, ref, ref_rows, guard, thread: str, replay_margin: float = 0.0) -> dict:
+    """One repaired session against Re-prefill's answer. The session is left untouched, except
+    under decode-time Replay (``replay_margin``), which acts in the thread's own decoding: the
+    session decodes the answer, so a replay's exact rows carry to the next step."""
     from kvmemory.divergence import first_token_kl
-    from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
+    from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits, with_decode_replay
     from kvmemory_lab.evaluation.decoding import verified_greedy
     from kvmemory_lab.metrics import answers_agree
 
+    stale = session.exact_rows < len(session.token_ids)
     rows = teacher_forced_logits(session.fork(), ref.token_ids)
-    answer = verified_greedy(session.fork(), ref.token_ids, ANSWER_TOKENS)
-    fid = answer_fidelity(ref_rows, rows, ref.token_ids, answer.token_ids)
     guard.observe(thread, session, report)
     guard.wait()
     sample = guard.thread_info(thread)["last_sample"]
+    if replay_margin:
+        answer = session.generate(max_new_tokens=ANSWER_TOKENS)
+        rows = with_decode_replay(rows, ref_rows, replay_margin) if stale else rows
+    else:
+        answer = verified_greedy(session.fork(), ref.token_ids, ANSWER_TOKENS)
+    fid = answer_fidelity(ref_rows, rows, ref.token_ids, answer.token_ids)
     kl1 = first_token_kl(ref.first_logits, answer.first_logits)
     return {"answer": answer.text.strip(), "reference": ref.text.strip(), "agree": answers_agree(answer.text, ref.text),
             "tf_agreement": fid.tf_agreement, "tf_kl": fid.tf_kl, "common_prefix": fid.common_prefix,
-            "first_token_kl": kl1, "recomputed_tokens": report.recomputed_tokens, "operator": report.operator,
+            "first_token_kl": kl1, "operator": report.operator, "decode_replay": report.decode_replay,
+            "recomputed_tokens": report.recomputed_tokens + (report.decode_replay or {}).get("recomputed_tokens", 0),
             "budget": report.budget, "fallback": report.fallback,
             "guard_escalates": bool(sample and sample["escalated"]), "guard_kl": sample and sample["kl"],
             "guard_tf_agreement": sample and sample["tf_agreement"], "first_token_guard_escalates": kl1 > 1e-2}
 
 
 def run_case(lm, case: dict, methods: list[str], guard_cls) -> list[dict]:
+    from kvmemory.policy import RepairPolicy
     from kvmemory.session import KVSession
 
     ref_session = KVSession(lm.model, lm.tokenizer)
@@ -127,7 +138,8 @@ def run_case(lm, case: dict, methods: list[str], guard_cls) -> list[dict]:
         for s, (messages, (ref, ref_rows)) in enumerate(zip(case["steps"], refs)):
             used = loop_guard.policy_for("thread", policy) if loop_guard else policy
             report = session.prepare(messages, policy=used)
-            row = measure(session, report, ref, ref_rows, check, f"{case['case_id']}/{method}/{s}")
+            row = measure(session, report, ref, ref_rows, check, f"{case['case_id']}/{method}/{s}",
+                          RepairPolicy.coerce(used).replay_margin)
             if loop_guard:
                 loop_guard.observe("thread", session, report)
                 loop_guard.wait()

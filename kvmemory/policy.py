@@ -86,9 +86,10 @@ class RepairPolicy(Settings):
     answer decoded while the cache still holds rows a sparse repair left stale watches the
     top-1/top-2 logit margin (nats) of every pick; at the first pick whose margin is below
     ``replay_margin``, the stale suffix and the answer so far are replayed exactly and the pick
-    is made again from exact logits. Divergent answers split at near-ties, so the answer stays on
-    Re-prefill's track at the price of a Replay where the margin is thin (reported as
-    ``decode_replay`` and ``fallback``). Label suffix ``:margin=<nats>``, e.g. ``shift:margin=0.03``.
+    is made again from exact logits. When it fires at or before the pick where the answer would
+    split from Re-prefill's, the answer is Re-prefill's; a split at a confident pick is missed
+    (measured in benchmarks/results/fidelity/README.md). Reported as ``decode_replay`` and
+    ``fallback``. Label suffix ``:margin=<nats>``, e.g. ``shift:margin=0.03``.
 
     Selection options of the text allocators (sur, dense, window; our extension, defaults are the
     paper's): ``relevance="idf"`` weights each query token and the identical-token bonus of eq. 1
