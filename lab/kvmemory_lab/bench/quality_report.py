@@ -89,8 +89,8 @@ def aggregate(rows: list[dict]) -> dict:
 
 
 def _decode_replay_stats(rows: list[dict]) -> dict:
-    """Decode-time Replay (``replay_margin``): the share of answers that replayed, and the share
-    of the divergent answers the margin did not catch before they split."""
+    """Decode-time Replay (``replay_margin``): the share of answers that replayed and the mean
+    answer token (picks before it) at which they did."""
     if not any("decode_replay" in m for m in rows):
         return {}
     replayed = [m for m in rows if m.get("decode_replay")]
