@@ -261,43 +261,46 @@ def _decode_replay_keys(summary: dict) -> list[str]:
     return [k for k in summary if k.startswith("decode_replay[")]
 
 
-def _decode_replay_section(summary: dict) -> list[str]:
-    """Decode-time Replay rows: fidelity, cost (repair + replayed rows) and how often it replayed."""
-    keys = _decode_replay_keys(summary)
+def _keyed_section(summary: dict, keys: list[str], title: str, note: str, columns: list[str], cells) -> list[str]:
+    """A markdown section with one row per entry keyed by setting (tolerance, margin) under each
+    of ``keys``, settings in numeric order; ``cells(key, setting, m)`` gives the row's cells
+    after ``columns[:2]`` = key and setting. Empty without keys."""
     if not keys:
         return []
-    lines = ["", "## Decode-time Replay (replay_margin; our extension)", "",
-             "The repair runs as labelled; a greedy pick whose top-1/top-2 logit margin is below the margin (nats) while "
-             "stale rows remain replays them (and the answer so far) exactly. Recomputed tokens include those rows.", "",
-             "| repair | margin (nats) | agreement | TF agreement | TF KL | common prefix | recomputed | replayed | "
-             "mean answer token at replay | latency ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["", f"## {title}", "", note, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for key in keys:
-        for margin, m in sorted(summary[key].items(), key=lambda kv: float(kv[0])):
-            lines.append(f"| {key[len('decode_replay['):-1]} | {margin} | {m['agreement']:.2f} | {_answer_cells(m)} | "
-                         f"{m['recomputed_tokens']:.0f} | {m['decode_replayed']:.2f} | {_fmt(m['decode_replay_at_token'], '.1f')} | "
-                         f"{m['latency_ms']:.0f} |")
+        for setting, m in sorted(summary[key].items(), key=lambda kv: float(kv[0])):
+            lines.append("| " + " | ".join(cells(key, setting, m)) + " |")
     return lines
+
+
+def _decode_replay_section(summary: dict) -> list[str]:
+    """Decode-time Replay rows: fidelity, cost (repair + replayed rows) and how often it replayed."""
+    return _keyed_section(
+        summary, _decode_replay_keys(summary), "Decode-time Replay (replay_margin; our extension)",
+        "The repair runs as labelled; a greedy pick whose top-1/top-2 logit margin is below the margin (nats) while "
+        "stale rows remain replays them (and the answer so far) exactly. Recomputed tokens include those rows.",
+        ["repair", "margin (nats)", "agreement", "TF agreement", "TF KL", "common prefix", "recomputed", "replayed",
+         "mean answer token at replay", "latency ms"],
+        lambda key, margin, m: [key[len("decode_replay["):-1], margin, f"{m['agreement']:.2f}", _answer_cells(m),
+                                f"{m['recomputed_tokens']:.0f}", f"{m['decode_replayed']:.2f}",
+                                _fmt(m["decode_replay_at_token"], ".1f"), f"{m['latency_ms']:.0f}"])
 
 
 def _adaptive_section(summary: dict) -> list[str]:
     """Adaptive budget rows: fidelity, cost, spent budget and the signal's calibration."""
-    keys = _adaptive_keys(summary)
-    if not keys:
-        return []
-    lines = ["", "## Adaptive budget (budget='auto'; our extension, fixed b is the reference)", "",
-             "Calibration: `diverged given signal stop` = share of the repairs the signal stopped (not the cap) whose greedy "
-             "answer differs from Re-prefill's; `TF<1 given signal stop` the same for any teacher-forced disagreement.", "",
-             "| signal | tolerance | agreement | TF agreement | TF KL | common prefix | recomputed | spent budget % | rounds | "
-             "query rows re-run | stopped by signal | by cap | diverged given signal stop | TF<1 given signal stop | latency ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for key in keys:
-        for tol, m in sorted(summary[key].items(), key=lambda kv: float(kv[0])):
-            lines.append(f"| {key} | {tol} | {m['agreement']:.2f} | {_answer_cells(m)} | {m['recomputed_tokens']:.0f} | "
-                         f"{m['spent_budget']:.1f} | {m['rounds']:.1f} | {m['probe_tokens']:.1f} | {m['stopped_by_signal']:.2f} | "
-                         f"{m['stopped_by_cap']:.2f} | {_fmt(m['signal_stops_diverged'])} | {_fmt(m['signal_stops_tf_below_1'])} | "
-                         f"{m['latency_ms']:.0f} |")
-    return lines
+    return _keyed_section(
+        summary, _adaptive_keys(summary), "Adaptive budget (budget='auto'; our extension, fixed b is the reference)",
+        "Calibration: `diverged given signal stop` = share of the repairs the signal stopped (not the cap) whose greedy "
+        "answer differs from Re-prefill's; `TF<1 given signal stop` the same for any teacher-forced disagreement.",
+        ["signal", "tolerance", "agreement", "TF agreement", "TF KL", "common prefix", "recomputed", "spent budget %",
+         "rounds", "query rows re-run", "stopped by signal", "by cap", "diverged given signal stop",
+         "TF<1 given signal stop", "latency ms"],
+        lambda key, tol, m: [key, tol, f"{m['agreement']:.2f}", _answer_cells(m), f"{m['recomputed_tokens']:.0f}",
+                             f"{m['spent_budget']:.1f}", f"{m['rounds']:.1f}", f"{m['probe_tokens']:.1f}",
+                             f"{m['stopped_by_signal']:.2f}", f"{m['stopped_by_cap']:.2f}",
+                             _fmt(m["signal_stops_diverged"]), _fmt(m["signal_stops_tf_below_1"]),
+                             f"{m['latency_ms']:.0f}"])
 
 
 def _group_table(groups: dict, metric: str, spec: str) -> list[str]:
