@@ -35,9 +35,13 @@ def test_shards_fill_one_resumable_run(tmp_path):
     assert set(summary["by_group"]["niah-512"]["sur@5"]) >= {"agreement", "median_kl", "nr_tv", "latency_ms", "em"}
     report = (out / "report.md").read_text()
     assert "## Agreement with Re-prefill by group" in report and "## Median first-token KL by group" in report
+    assert isinstance(summary["detectors"], list)
     for record in records.values():
         methods = {m["method"]: m for m in record["methods"]}
         assert methods["reprefill"]["kl"] == 0.0
+        assert methods["reprefill"]["kl_pre_edit"] is None and methods["dirty"]["pre_edit_agree"] is None
+        m = methods["sur@5"]  # edit sensitivity against the pre-edit (Dirty) answer of the same case
+        assert m["kl_pre_edit"] >= 0.0 and m["pre_edit_agree"] == (m["answer"].strip() == methods["dirty"]["answer"].strip())
         for label in ("oracle@5", "cachecraft@5"):  # probe allocators: probe time is in their selection time
             m = methods[label]
             assert m["selection_ms"] > 0 and m["post_edit_ms"] >= m["selection_ms"] + m["refresh_ms"]

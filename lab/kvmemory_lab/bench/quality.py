@@ -170,6 +170,7 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
     if probe is not None:
         reference_rows["reprefill"] = rows = teacher_forced_logits(probe, gen.token_ids)
     ref, dirty = runs["reprefill"], runs.get("dirty", gen)
+    pre_edit = label not in ("reprefill", "dirty")  # the pre-edit (Dirty) answer is known from here on
     # verified answers cost one forward; latency tables charge step-by-step decoding at the
     # case's measured Re-prefill rate so that allocators compare on repair cost
     answer_ms = len(gen.token_ids) * _ms_per_token(ref) if verified else gen.decode_ms
@@ -194,6 +195,9 @@ def _run_method(session: KVSession, case: EvalCase, settings: dict, edited, labe
         "leak": leak,
         "agree": answers_agree(gen.text, ref.text),
         "kl": first_token_kl(ref.first_logits, gen.first_logits),
+        # edit sensitivity, measurable without Re-prefill: how far the repair moved the pre-edit answer
+        "kl_pre_edit": first_token_kl(dirty.first_logits, gen.first_logits) if pre_edit else None,
+        "pre_edit_agree": answers_agree(gen.text, dirty.text) if pre_edit else None,
         "tv": tv,
         "nr_tv": normalized_recovery(tv, tv_dirty),
         "tf_agree": fidelity.tf_agreement,
