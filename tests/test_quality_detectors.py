@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvmemory_lab.bench.quality_detectors import detector_section, detector_table, roc_auc
+from kvmemory_lab.bench.quality_detectors import (detector_section, detector_table, escalation_section,
+                                                  escalation_table, fixed_frontier, roc_auc)
 
 
 def test_roc_auc_counts_pairs_and_ties():
@@ -45,3 +46,27 @@ def test_detectors_separate_a_perfect_signal_from_a_useless_one():
 def test_no_detectors_no_section():
     records = [{"methods": [{"method": "reprefill", "agree": True}]}]
     assert detector_table(records) == [] and detector_section([]) == []
+
+
+def _costed(shift_agree: bool, kl_pre_edit: float, sur_agree: bool) -> dict:
+    return {"methods": [
+        {"method": "reprefill", "agree": True, "recomputed_tokens": 300},
+        {"method": "shift", "agree": shift_agree, "recomputed_tokens": 40, "kl_pre_edit": kl_pre_edit},
+        {"method": "replay", "agree": True, "recomputed_tokens": 200},
+        {"method": "sur@40", "agree": sur_agree, "recomputed_tokens": 100, "kl_pre_edit": kl_pre_edit}]}
+
+
+def test_escalation_keeps_cheap_repairs_and_replays_the_sensitive_ones():
+    records = [_costed(False, 0.08, False), _costed(False, 0.04, True), _costed(True, 0.015, True),
+               _costed(True, 0.001, True)]
+    assert fixed_frontier(records) == ([40.0, 100.0, 200.0], [0.5, 0.75, 1.0])
+    worse = [dict(r, methods=r["methods"] + [{"method": "sur@60", "agree": False, "recomputed_tokens": 150}])
+             for r in records]
+    assert fixed_frontier(worse) == ([40.0, 100.0, 200.0], [0.5, 0.75, 1.0])  # a budget under the hull is not on it
+    rows = {r["tau"]: r for r in escalation_table(records)}  # shift only: no sur@5 in these records
+    # τ = 0.03: the two divergent repairs escalate; cost 40 + 40 probe + 200 on two of four
+    assert rows[0.03]["escalated"] == 0.5 and rows[0.03]["agreement"] == 1.0
+    assert rows[0.03]["recomputed_tokens"] == 180.0 and rows[0.03]["frontier"] == pytest.approx(0.95)
+    assert rows[0.05]["agreement"] == 0.75 and rows[0.05]["recomputed_tokens"] == 130.0
+    assert rows[0.01]["recomputed_tokens"] == 230.0 and rows[0.01]["frontier"] is None  # beyond Replay's tokens
+    assert "| shift | 0.03 | 0.50 | 1.00 | 180 (90) | 0.95 |" in "\n".join(escalation_section(list(rows.values())))

@@ -13,6 +13,8 @@ import numpy as np
 
 # repairs whose divergence the detectors try to predict, when the run has them
 TARGETS = ("shift", "sur@5")
+# pre-edit first-token KL thresholds (nats) of the offline escalation table
+ESCALATION_THRESHOLDS = (0.01, 0.02, 0.03, 0.05)
 
 
 def roc_auc(scores: list[float], positive: list[bool]) -> float | None:
@@ -82,6 +84,58 @@ def detector_table(records: list[dict]) -> list[dict]:
     return out
 
 
+def _by_method(record: dict) -> dict[str, dict]:
+    return {m["method"]: m for m in record["methods"]}
+
+
+def fixed_frontier(records: list[dict]) -> tuple[list[float], list[float]]:
+    """Fixed SUR's frontier: the upper concave hull of (mean recomputed tokens, agreement) over
+    Shift, every ``sur@<b>`` of the run and Replay, sorted by tokens; read it linearly between
+    its points (a per-case mix of two budgets reaches every point of the hull)."""
+    labels = [m["method"] for m in records[0]["methods"]]
+    points = []
+    for label in labels:
+        if label in ("shift", "replay") or (label.startswith("sur@") and label[4:].replace(".", "").isdigit()):
+            rows = [_by_method(r)[label] for r in records]
+            points.append((float(np.mean([m["recomputed_tokens"] for m in rows])), float(np.mean([m["agree"] for m in rows]))))
+    hull: list[tuple[float, float]] = []
+    for p in sorted(points):
+        # drop the last hull point while it lies on or under the chord to p (concave from above)
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) >= 0:
+            hull.pop()
+        hull.append(p)
+    return [p[0] for p in hull], [p[1] for p in hull]
+
+
+def escalation_table(records: list[dict]) -> list[dict]:
+    """Offline escalation on the pre-edit first-token KL: keep the target repair when
+    KL(p_pre-edit ‖ p_repair) <= τ, else Replay (the answer agrees, Replay's tokens are added).
+    Cost per repair: the target's recomputed tokens + the probe (the query once more, on a
+    pre-edit copy: Shift's recomputed tokens) + Replay's when escalated. ``frontier``: fixed SUR
+    at the same mean tokens (:func:`fixed_frontier`); None beyond the frontier's last point."""
+    need = ("shift", "replay")
+    if not records or not all(k in _by_method(r) for r in records for k in need):
+        return []
+    xs, ys = fixed_frontier(records)
+    replay = float(np.mean([_by_method(r)["replay"]["recomputed_tokens"] for r in records]))
+    out = []
+    for target in TARGETS:
+        rows = [_by_method(r).get(target) for r in records]
+        if not all(m is not None and m.get("kl_pre_edit") is not None for m in rows):
+            continue
+        for tau in ESCALATION_THRESHOLDS:
+            escalate = [m["kl_pre_edit"] > tau for m in rows]
+            agree = np.mean([1.0 if e else float(m["agree"]) for e, m in zip(escalate, rows)])
+            tokens = np.mean([m["recomputed_tokens"] + _by_method(r)["shift"]["recomputed_tokens"]
+                              + (_by_method(r)["replay"]["recomputed_tokens"] if e else 0)
+                              for e, m, r in zip(escalate, rows, records)])
+            out.append({"target": target, "tau": tau, "escalated": float(np.mean(escalate)), "agreement": float(agree),
+                        "recomputed_tokens": float(tokens), "replay_tokens": replay,
+                        "frontier": float(np.interp(tokens, xs, ys)) if tokens <= xs[-1] else None})
+    return out
+
+
 def detector_section(rows: list[dict]) -> list[str]:
     """Markdown lines of the detector table (nothing when the run has no detectors)."""
     if not rows:
@@ -95,4 +149,21 @@ def detector_section(rows: list[dict]) -> list[str]:
     for r in rows:
         lines.append(f"| {r['target']} | {r['detector']} | {r['cost']} | {r['diverged']} / {r['agreed']} | "
                      f"{fmt(r['auc'])} | {fmt(r.get('tpr'))} | {fmt(r.get('fpr'))} |")
+    return lines
+
+
+def escalation_section(rows: list[dict]) -> list[str]:
+    """Markdown lines of the offline escalation table (nothing without pre-edit KL)."""
+    if not rows:
+        return []
+    lines = ["", "## Escalation on the pre-edit first-token KL (offline)", "",
+             "Keep the repair when KL(p_pre-edit ‖ p_repair) ≤ τ, else Replay; computed from this run's records "
+             "(the probe is the query once more on a pre-edit copy). Fixed SUR's frontier: Shift, SUR at this run's "
+             "budgets and Replay (their upper concave hull: per-case mixes of two budgets), at the same mean recomputed tokens.", "",
+             "| repair | τ nats | escalated | agreement | recomputed (% of Replay) | fixed SUR's frontier there |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        frontier = "–" if r["frontier"] is None else f"{r['frontier']:.2f}"
+        lines.append(f"| {r['target']} | {r['tau']:g} | {r['escalated']:.2f} | {r['agreement']:.2f} | "
+                     f"{r['recomputed_tokens']:.0f} ({100 * r['recomputed_tokens'] / r['replay_tokens']:.0f}) | {frontier} |")
     return lines

@@ -12,7 +12,7 @@ from kvmemory.selection import ALLOCATOR_TITLES
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
 from ..metrics import contains_gold
 from .common import agg_pyplot
-from .quality_detectors import detector_section, detector_table
+from .quality_detectors import detector_section, detector_table, escalation_section, escalation_table
 
 DEFAULT_SIGNAL = RepairPolicy().signal
 
@@ -176,6 +176,7 @@ def summarize(records: list[dict], meta: dict) -> dict:
     summary["by_group"] = by_group
     summary["bootstrap"] = {"replicates": REPLICATES, "seed": SEED, "rows": bootstrap_table(records)}
     summary["detectors"] = detector_table(records)
+    summary["escalation"] = escalation_table(records)
     summary["meta"] = {**meta, "n_cases": len(records), "n_sources": len({r["source_id"] for r in records}),
                        "datasets": sorted({r["dataset"] for r in records})}
     return summary
@@ -224,6 +225,7 @@ def markdown(summary: dict) -> str:
     lines += _adaptive_section(summary)
     lines += _decode_replay_section(summary)
     lines += detector_section(summary.get("detectors", []))
+    lines += escalation_section(summary.get("escalation", []))
     lines += ["", "## Paired differences (EM, percentage points; 95 % source-paired bootstrap, "
               f"{summary['bootstrap']['replicates']} replicates, seed {summary['bootstrap']['seed']})", "",
               "| method | vs | ΔEM pp | 95 % CI | Δagreement pp | 95 % CI | Δgold-in pp | 95 % CI | ΔTV pp | 95 % CI |",
