@@ -14,7 +14,7 @@ import numpy as np
 # repairs whose divergence the detectors try to predict, when the run has them
 TARGETS = ("shift", "sur@5")
 # pre-edit first-token KL thresholds (nats) of the offline escalation table
-ESCALATION_THRESHOLDS = (0.01, 0.02, 0.03, 0.05)
+ESCALATION_THRESHOLDS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05)
 
 
 def roc_auc(scores: list[float], positive: list[bool]) -> float | None:
