@@ -17,6 +17,14 @@ TARGETS = ("shift", "sur@5")
 ESCALATION_THRESHOLDS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05)
 
 
+def _by_method(record: dict) -> dict[str, dict]:
+    return {m["method"]: m for m in record["methods"]}
+
+
+def _cell(x, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
 def roc_auc(scores: list[float], positive: list[bool]) -> float | None:
     """P(score of a random positive > score of a random negative), ties counted half
     (Mann–Whitney). None when either class is empty."""
@@ -46,14 +54,14 @@ def _round_values(records: list[dict]) -> dict[str, list[list[float]]]:
 
 def _detectors(records: list[dict], target: str) -> dict[str, tuple[list[float], str, bool]]:
     """Detector name -> (per-case scores, higher = more likely divergent; what it costs; yes/no)."""
-    rows = [{m["method"]: m for m in r["methods"]}[target] for r in records]
+    rows = [_by_method(r)[target] for r in records]
     found: dict[str, tuple[list[float], str, bool]] = {}
     for signal, values in _round_values(records).items():
         if len(values) == len(records):
             found[f"{signal}, round 1"] = ([v[0] for v in values], "the first round", False)
             found[f"{signal}, max over rounds"] = ([max(v) for v in values], "every round to the cap", False)
     for label in [m["method"] for m in records[0]["methods"] if m["method"].startswith(f"{target}:margin=")]:
-        fired = [next((m for m in r["methods"] if m["method"] == label), None) for r in records]
+        fired = [_by_method(r).get(label) for r in records]
         if all(fired):  # identical to the target's answer up to its first pick below the margin
             found[f"a pick below margin {label.split('=')[1]}"] = (
                 [float(bool(m.get("decode_replay"))) for m in fired], "watching the answer's picks", True)
@@ -70,9 +78,9 @@ def detector_table(records: list[dict]) -> list[dict]:
     binary detector its true- and false-positive rates."""
     out = []
     for target in TARGETS:
-        if not records or not all(any(m["method"] == target for m in r["methods"]) for r in records):
+        if not records or not all(target in _by_method(r) for r in records):
             continue
-        diverged = [not {m["method"]: m for m in r["methods"]}[target]["agree"] for r in records]
+        diverged = [not _by_method(r)[target]["agree"] for r in records]
         for name, (scores, cost, binary) in _detectors(records, target).items():
             row = {"target": target, "detector": name, "cost": cost, "diverged": sum(diverged),
                    "agreed": len(diverged) - sum(diverged), "auc": roc_auc(scores, diverged)}
@@ -82,10 +90,6 @@ def detector_table(records: list[dict]) -> list[dict]:
                 row["fpr"] = sum(f and not d for f, d in zip(flagged, diverged)) / max(1, len(diverged) - sum(diverged))
             out.append(row)
     return out
-
-
-def _by_method(record: dict) -> dict[str, dict]:
-    return {m["method"]: m for m in record["methods"]}
 
 
 def fixed_frontier(records: list[dict]) -> tuple[list[float], list[float]]:
@@ -140,7 +144,6 @@ def detector_section(rows: list[dict]) -> list[str]:
     """Markdown lines of the detector table (nothing when the run has no detectors)."""
     if not rows:
         return []
-    fmt = lambda x, spec=".2f": "–" if x is None else format(x, spec)  # noqa: E731
     lines = ["", "## Divergence detectors", "",
              "How well each signal a repair can measure without Re-prefill picks out the repairs whose greedy "
              "answer differs from Re-prefill's: ROC AUC (0.5 chance, 1 perfect); TPR/FPR for a yes/no detector. "
@@ -148,7 +151,7 @@ def detector_section(rows: list[dict]) -> list[str]:
              "| repair | detector | costs | diverged / agreed | AUC | TPR | FPR |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['target']} | {r['detector']} | {r['cost']} | {r['diverged']} / {r['agreed']} | "
-                     f"{fmt(r['auc'])} | {fmt(r.get('tpr'))} | {fmt(r.get('fpr'))} |")
+                     f"{_cell(r['auc'])} | {_cell(r.get('tpr'))} | {_cell(r.get('fpr'))} |")
     return lines
 
 
@@ -163,7 +166,7 @@ def escalation_section(rows: list[dict]) -> list[str]:
              "| repair | τ nats | escalated | agreement | recomputed (% of Replay) | fixed SUR's frontier there |",
              "|---|---|---|---|---|---|"]
     for r in rows:
-        frontier = "–" if r["frontier"] is None else f"{r['frontier']:.2f}"
         lines.append(f"| {r['target']} | {r['tau']:g} | {r['escalated']:.2f} | {r['agreement']:.2f} | "
-                     f"{r['recomputed_tokens']:.0f} ({100 * r['recomputed_tokens'] / r['replay_tokens']:.0f}) | {frontier} |")
+                     f"{r['recomputed_tokens']:.0f} ({100 * r['recomputed_tokens'] / r['replay_tokens']:.0f}) | "
+                     f"{_cell(r['frontier'])} |")
     return lines
