@@ -60,3 +60,8 @@ def agg_pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def table_cell(x, spec: str = ".2f") -> str:
+    """A markdown table cell: ``x`` formatted with ``spec``, or "–" for a missing value."""
+    return "–" if x is None else format(x, spec)

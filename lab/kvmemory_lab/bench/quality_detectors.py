@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .common import table_cell
+
 # repairs whose divergence the detectors try to predict, when the run has them
 TARGETS = ("shift", "sur@5")
 # pre-edit first-token KL thresholds (nats) of the offline escalation table
@@ -19,10 +21,6 @@ ESCALATION_THRESHOLDS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05)
 
 def _by_method(record: dict) -> dict[str, dict]:
     return {m["method"]: m for m in record["methods"]}
-
-
-def _cell(x, spec: str = ".2f") -> str:
-    return "–" if x is None else format(x, spec)
 
 
 def roc_auc(scores: list[float], positive: list[bool]) -> float | None:
@@ -54,14 +52,15 @@ def _round_values(records: list[dict]) -> dict[str, list[list[float]]]:
 
 def _detectors(records: list[dict], target: str) -> dict[str, tuple[list[float], str, bool]]:
     """Detector name -> (per-case scores, higher = more likely divergent; what it costs; yes/no)."""
-    rows = [_by_method(r)[target] for r in records]
+    by = [_by_method(r) for r in records]
+    rows = [methods[target] for methods in by]
     found: dict[str, tuple[list[float], str, bool]] = {}
     for signal, values in _round_values(records).items():
         if len(values) == len(records):
             found[f"{signal}, round 1"] = ([v[0] for v in values], "the first round", False)
             found[f"{signal}, max over rounds"] = ([max(v) for v in values], "every round to the cap", False)
     for label in [m["method"] for m in records[0]["methods"] if m["method"].startswith(f"{target}:margin=")]:
-        fired = [_by_method(r).get(label) for r in records]
+        fired = [methods.get(label) for methods in by]
         if all(fired):  # identical to the target's answer up to its first pick below the margin
             found[f"a pick below margin {label.split('=')[1]}"] = (
                 [float(bool(m.get("decode_replay"))) for m in fired], "watching the answer's picks", True)
@@ -77,10 +76,11 @@ def detector_table(records: list[dict]) -> list[dict]:
     """One row per target repair × detector: divergent / agreeing repairs, ROC AUC, and for the
     binary detector its true- and false-positive rates."""
     out = []
+    by = [_by_method(r) for r in records]
     for target in TARGETS:
-        if not records or not all(target in _by_method(r) for r in records):
+        if not records or not all(target in methods for methods in by):
             continue
-        diverged = [not _by_method(r)[target]["agree"] for r in records]
+        diverged = [not methods[target]["agree"] for methods in by]
         for name, (scores, cost, binary) in _detectors(records, target).items():
             row = {"target": target, "detector": name, "cost": cost, "diverged": sum(diverged),
                    "agreed": len(diverged) - sum(diverged), "auc": roc_auc(scores, diverged)}
@@ -96,11 +96,11 @@ def fixed_frontier(records: list[dict]) -> tuple[list[float], list[float]]:
     """Fixed SUR's frontier: the upper concave hull of (mean recomputed tokens, agreement) over
     Shift, every ``sur@<b>`` of the run and Replay, sorted by tokens; read it linearly between
     its points (a per-case mix of two budgets reaches every point of the hull)."""
-    labels = [m["method"] for m in records[0]["methods"]]
+    by = [_by_method(r) for r in records]
     points = []
-    for label in labels:
+    for label in by[0]:
         if label in ("shift", "replay") or (label.startswith("sur@") and label[4:].replace(".", "").isdigit()):
-            rows = [_by_method(r)[label] for r in records]
+            rows = [methods[label] for methods in by]
             points.append((float(np.mean([m["recomputed_tokens"] for m in rows])), float(np.mean([m["agree"] for m in rows]))))
     hull: list[tuple[float, float]] = []
     for p in sorted(points):
@@ -118,22 +118,23 @@ def escalation_table(records: list[dict]) -> list[dict]:
     Cost per repair: the target's recomputed tokens + the probe (the query once more, on a
     pre-edit copy: Shift's recomputed tokens) + Replay's when escalated. ``frontier``: fixed SUR
     at the same mean tokens (:func:`fixed_frontier`); None beyond the frontier's last point."""
-    need = ("shift", "replay")
-    if not records or not all(k in _by_method(r) for r in records for k in need):
+    by = [_by_method(r) for r in records]
+    if not records or not all("shift" in methods and "replay" in methods for methods in by):
         return []
     xs, ys = fixed_frontier(records)
-    replay = float(np.mean([_by_method(r)["replay"]["recomputed_tokens"] for r in records]))
+    probe = [methods["shift"]["recomputed_tokens"] for methods in by]
+    replays = [methods["replay"]["recomputed_tokens"] for methods in by]
+    replay = float(np.mean(replays))
     out = []
     for target in TARGETS:
-        rows = [_by_method(r).get(target) for r in records]
+        rows = [methods.get(target) for methods in by]
         if not all(m is not None and m.get("kl_pre_edit") is not None for m in rows):
             continue
         for tau in ESCALATION_THRESHOLDS:
             escalate = [m["kl_pre_edit"] > tau for m in rows]
             agree = np.mean([1.0 if e else float(m["agree"]) for e, m in zip(escalate, rows)])
-            tokens = np.mean([m["recomputed_tokens"] + _by_method(r)["shift"]["recomputed_tokens"]
-                              + (_by_method(r)["replay"]["recomputed_tokens"] if e else 0)
-                              for e, m, r in zip(escalate, rows, records)])
+            tokens = np.mean([m["recomputed_tokens"] + p + (r if e else 0)
+                              for e, m, p, r in zip(escalate, rows, probe, replays)])
             out.append({"target": target, "tau": tau, "escalated": float(np.mean(escalate)), "agreement": float(agree),
                         "recomputed_tokens": float(tokens), "replay_tokens": replay,
                         "frontier": float(np.interp(tokens, xs, ys)) if tokens <= xs[-1] else None})
@@ -151,7 +152,7 @@ def detector_section(rows: list[dict]) -> list[str]:
              "| repair | detector | costs | diverged / agreed | AUC | TPR | FPR |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['target']} | {r['detector']} | {r['cost']} | {r['diverged']} / {r['agreed']} | "
-                     f"{_cell(r['auc'])} | {_cell(r.get('tpr'))} | {_cell(r.get('fpr'))} |")
+                     f"{table_cell(r['auc'])} | {table_cell(r.get('tpr'))} | {table_cell(r.get('fpr'))} |")
     return lines
 
 
@@ -168,5 +169,5 @@ def escalation_section(rows: list[dict]) -> list[str]:
     for r in rows:
         lines.append(f"| {r['target']} | {r['tau']:g} | {r['escalated']:.2f} | {r['agreement']:.2f} | "
                      f"{r['recomputed_tokens']:.0f} ({100 * r['recomputed_tokens'] / r['replay_tokens']:.0f}) | "
-                     f"{_cell(r['frontier'])} |")
+                     f"{table_cell(r['frontier'])} |")
     return lines

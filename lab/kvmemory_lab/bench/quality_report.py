@@ -12,6 +12,7 @@ from kvmemory.selection import ALLOCATOR_TITLES
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
 from ..metrics import contains_gold
 from .common import agg_pyplot
+from .common import table_cell as _fmt
 from .quality_detectors import detector_section, detector_table, escalation_section, escalation_table
 
 DEFAULT_SIGNAL = RepairPolicy().signal
@@ -180,10 +181,6 @@ def summarize(records: list[dict], meta: dict) -> dict:
     summary["meta"] = {**meta, "n_cases": len(records), "n_sources": len({r["source_id"] for r in records}),
                        "datasets": sorted({r["dataset"] for r in records})}
     return summary
-
-
-def _fmt(x, spec=".2f"):
-    return "–" if x is None else format(x, spec)
 
 
 def markdown(summary: dict) -> str:
