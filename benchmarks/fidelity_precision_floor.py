@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,8 +31,8 @@ VARIANTS = {"transformers": ("fp32", "transformers"), "q4_1_bf16": ("fp32", "q4_
 REPAIRS = ["shift", "sur@5", "sur@10", "sur@20", "sur@40", "replay"]
 
 
-def rebuild_cases(run: Path, tokenizer) -> tuple[list, dict[str, dict]]:
-    """The cases of a finished bench-quality run (rebuilt from its config) and its records by case id."""
+def rebuild_cases(run: Path, tokenizer) -> tuple[list, dict[str, dict], dict]:
+    """The cases of a finished bench-quality run (rebuilt from its config), its records by case id and its config."""
     from kvmemory_lab.bench.quality import build_cases, load_records
 
     config = json.loads((run / "config.json").read_text())
@@ -41,7 +40,7 @@ def rebuild_cases(run: Path, tokenizer) -> tuple[list, dict[str, dict]]:
     cases = [c for c in build_cases(config, Path(config["data"]), tokenizer) if c.case_id in records]
     if len(cases) != len(records):
         raise SystemExit(f"{run}: rebuilt {len(cases)} of its {len(records)} cases; is the data folder the same?")
-    return cases, records
+    return cases, records, config
 
 
 def reprefill(session, messages, max_new_tokens: int):
@@ -133,15 +132,15 @@ def report(summary: dict, meta: dict) -> str:
 
 def measure_runs(runs: list[Path], variants: list[str], jsonl: Path) -> dict:
     """Every case of ``runs`` not yet in ``jsonl``, appended as it finishes; returns the run's meta."""
-    import os
-
     import torch
 
     from kvmemory.models import load_model
     from kvmemory.session import KVSession
+    from kvmemory_lab.bench.common import load_average, machine_name
     from kvmemory_lab.bench.worklist import append_record, done_ids
 
     reference = load_model()
+    reference_session = KVSession(reference.model, reference.tokenizer)
     sessions = {}
     for name in variants:
         dtype, engine = VARIANTS[name]
@@ -149,16 +148,14 @@ def measure_runs(runs: list[Path], variants: list[str], jsonl: Path) -> dict:
         sessions[name] = KVSession(lm.model, lm.tokenizer)
     done = done_ids(jsonl)
     for run in runs:
-        config = json.loads((run / "config.json").read_text())
-        cases, records = rebuild_cases(run, reference.tokenizer)
+        cases, records, config = rebuild_cases(run, reference.tokenizer)
         for case in (c for c in cases if c.case_id not in done):
-            row = measure_case(case, records[case.case_id], KVSession(reference.model, reference.tokenizer),
-                               sessions, config["max_new_tokens"])
+            row = measure_case(case, records[case.case_id], reference_session, sessions, config["max_new_tokens"])
             append_record(jsonl, row)
             print(case.case_id, {k: v["agree"] for k, v in row["variants"].items()}, flush=True)
     return {"model": reference.name, "engine": reference.engine.as_dict() if reference.engine else None,
-            "torch_threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-            "load": [round(x, 2) for x in os.getloadavg()], "runs": [str(r) for r in runs],
+            "torch_threads": torch.get_num_threads(), "machine": machine_name(),
+            "load": load_average(), "runs": [str(r) for r in runs],
             "variants": {n: dict(zip(("dtype", "engine"), VARIANTS[n])) for n in variants},
             "command": " ".join([Path(sys.executable).name, *sys.argv])}
 
