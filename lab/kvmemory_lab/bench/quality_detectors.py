@@ -50,9 +50,9 @@ def _round_values(records: list[dict]) -> dict[str, list[list[float]]]:
     return out
 
 
-def _detectors(records: list[dict], target: str) -> dict[str, tuple[list[float], str, bool]]:
-    """Detector name -> (per-case scores, higher = more likely divergent; what it costs; yes/no)."""
-    by = [_by_method(r) for r in records]
+def _detectors(records: list[dict], by: list[dict[str, dict]], target: str) -> dict[str, tuple[list[float], str, bool]]:
+    """Detector name -> (per-case scores, higher = more likely divergent; what it costs; yes/no).
+    ``by``: each record's methods by label (:func:`_by_method`), indexed once by the caller."""
     rows = [methods[target] for methods in by]
     found: dict[str, tuple[list[float], str, bool]] = {}
     for signal, values in _round_values(records).items():
@@ -81,7 +81,7 @@ def detector_table(records: list[dict]) -> list[dict]:
         if not records or not all(target in methods for methods in by):
             continue
         diverged = [not methods[target]["agree"] for methods in by]
-        for name, (scores, cost, binary) in _detectors(records, target).items():
+        for name, (scores, cost, binary) in _detectors(records, by, target).items():
             row = {"target": target, "detector": name, "cost": cost, "diverged": sum(diverged),
                    "agreed": len(diverged) - sum(diverged), "auc": roc_auc(scores, diverged)}
             if binary:

@@ -11,8 +11,7 @@ from kvmemory.selection import ALLOCATOR_TITLES
 
 from ..evaluation.stats import REPLICATES, SEED, paired_bootstrap
 from ..metrics import contains_gold
-from .common import agg_pyplot
-from .common import table_cell as _fmt
+from .common import agg_pyplot, table_cell as _fmt
 from .quality_detectors import detector_section, detector_table, escalation_section, escalation_table
 
 DEFAULT_SIGNAL = RepairPolicy().signal
