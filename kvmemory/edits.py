@@ -121,8 +121,9 @@ class EditPlan:
         return sum(op.kind == kind for op in self.ops)
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token id sequences."""
+def common_prefix_length(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two sequences (token ids, or any items compared
+    with ``==``); ``min(len(a), len(b))`` when one is a prefix of the other."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

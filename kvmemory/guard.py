@@ -32,7 +32,7 @@ import torch
 from pydantic import Field
 
 from . import kvcache
-from .executors.sequential import forward_rows
+from .engine import forward_rows
 from .divergence import first_token_kl
 from .policy import RepairPolicy, RepairReport, Settings
 

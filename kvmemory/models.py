@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from platformdirs import user_cache_dir
 
 from .engine import BLOCK_ENGINES, ENGINES, EngineStatus
 from .engine import attach as attach_engine
 from .errors import EngineUnsupportedError, InputError, InputTypeError, ModelNotFoundError
+from .paths import cache_root
 from .tokenizer import tokenizer_from_gguf
 
 log = logging.getLogger(__name__)
@@ -54,11 +54,6 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     engine: EngineStatus | None = None  # what computes the model's rows (kvmemory.engine)
-
-
-def cache_root() -> Path:
-    """Folder for converted models; ``KVMEMORY_CACHE_DIR`` overrides the platform cache dir."""
-    return Path(os.environ.get("KVMEMORY_CACHE_DIR") or user_cache_dir("kvmemory"))
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -349,5 +349,12 @@ class RepairReport:
     adaptive: dict | None = None  # budget="auto": rounds, signal values, stop reason, budget spent
     decode_replay: dict | None = None  # replay_margin: where the answer's decode replayed the stale suffix
 
+    def note_fallback(self, reason: str | None) -> None:
+        """Record why exact recomputation replaced a cheaper path (the only writer of
+        ``fallback``): the first reason stays (the repair's, then the session's, then decode-time
+        Replay's); None adds nothing."""
+        if reason and not self.fallback:
+            self.fallback = reason
+
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from jinja2 import TemplateError as JinjaTemplateError
@@ -291,8 +291,37 @@ def render_prompt(
     tools=None,
     generation_prompt: bool = True,
     previous: RenderedPrompt | None = None,
+    segments: bool = True,
 ) -> RenderedPrompt:
-    """Render ``messages`` with the tokenizer's chat template and build the segment table.
+    """Render ``messages`` with the tokenizer's chat template (:func:`render_text`), tokenize the
+    text once and build the segment table (:func:`segment_prompt`, where ``tools`` and
+    ``previous`` are explained).
+
+    ``segments=False`` leaves the table empty: what a caller needs before it knows which cache
+    the prompt goes to; :func:`segment_prompt` adds it later without rendering the whole list again.
+
+    Returns:
+        ``previous`` itself when it renders the same text from the same messages (no second
+        tokenization), else a RenderedPrompt whose segments partition the message tokens in order.
+
+    Raises:
+        TemplateError: message spans are not stable (see :func:`segment_prompt`).
+        InputTypeError / InputError: malformed ``tools``, or tools a template cannot take.
+    """
+    text = _render(tokenizer, messages, generation_prompt, tools)
+    if _renders_as(previous, messages, text):
+        return previous
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = tuple(tuple(o) for o in enc["offset_mapping"])
+    tokenized = RenderedPrompt(tuple(messages), text, tuple(enc["input_ids"]), offsets, ())
+    return segment_prompt(tokenizer, tokenized, tools=tools, previous=previous) if segments else tokenized
+
+
+def segment_prompt(
+    tokenizer, prompt: RenderedPrompt, *, tools=None, previous: RenderedPrompt | None = None
+) -> RenderedPrompt:
+    """``prompt`` (from ``render_prompt(..., segments=False)`` with the same ``tools``) with its
+    segment table.
 
     ``tools`` reach the prompt as :func:`render_text` says (through the template, or folded into
     the system message, whose segment then holds them; a system message put first for them
@@ -304,21 +333,24 @@ def render_prompt(
     or a single mid-history edit renders only the changed messages' prefixes, not all n.
 
     Returns:
-        RenderedPrompt whose segments partition the message tokens in order.
+        ``prompt`` itself when it has its table already, ``previous`` itself for an identical
+        rendering, else a RenderedPrompt whose segments partition the message tokens in order.
 
     Raises:
         TemplateError: rendering a prefix of the list is not a prefix of the full rendering
             (the template rewrites earlier messages), so message spans are not stable.
-        InputTypeError / InputError: malformed ``tools``, or tools a template cannot take.
     """
-    text = _render(tokenizer, messages, generation_prompt, tools)
-    if previous is not None and previous.text == text and previous.messages == tuple(messages):
-        return previous  # an identical request: same tokens and segments, no second tokenization
-    bounds = _message_bounds(tokenizer, messages, text, tools, previous)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-    segments = _segments(messages, text, bounds, offsets)
-    return RenderedPrompt(tuple(messages), text, tuple(ids), tuple(offsets), tuple(segments))
+    if prompt.segments:
+        return prompt
+    if _renders_as(previous, prompt.messages, prompt.text):
+        return previous  # an identical request: same tokens and segments
+    bounds = _message_bounds(tokenizer, prompt.messages, prompt.text, tools, previous)
+    segments = _segments(prompt.messages, prompt.text, bounds, prompt.offsets)
+    return replace(prompt, segments=tuple(segments))
+
+
+def _renders_as(previous: RenderedPrompt | None, messages: Sequence[ChatMessage], text: str) -> bool:
+    return previous is not None and previous.text == text and previous.messages == tuple(messages)
 
 
 def _message_bounds(tokenizer, messages, text: str, tools, previous: RenderedPrompt | None) -> list[int]:

@@ -10,16 +10,17 @@ direct sequential for one interval, packed for several, unless overridden).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from . import engine, kvcache
+from . import kvcache
 from .capabilities import Capabilities, cache_unsupported_reason
 from .edits import EditPlan
+from .engine import engine_for
 from .errors import InputError
 from .executors.sequential import run_sequential
 from .executors import ExecutorChoice, choose_executor, executor_label, run_refresh
@@ -43,35 +44,66 @@ class RepairResult:
 
 
 @dataclass
-class RepairContext:
-    """What a repair needs besides the plan: the model and what it can do. ``new_cache`` makes
-    the empty cache a Re-prefill fills (default: ``kvcache.new_cache(model.config)``), so that a
-    session on a quantized cache stays on one. ``last_logits``: fp32 ``[vocab]`` logits predicting
-    the token after the cache's last row, when the caller knows them (None: unknown); a request
-    identical to the cache then needs no forward at all."""
+class RepairJob:
+    """Everything one repair reads: the live cache and the ids its rows were computed for, the
+    new prompt and the edit plan between them, the policy, and the model with what it can do.
+
+    ``cache``: ``len(cached_ids)`` rows (modified or replaced by the repair). ``new``: the
+    rendered new prompt (N tokens); ``plan``: ``plan_edits(cached_ids, ..., new)``. ``policy``: a
+    RepairPolicy or its label (coerced here). ``query_ids`` / ``query_text``: the last message,
+    which query-aware allocators score against. ``new_cache`` makes the empty cache a Re-prefill
+    fills (default: ``kvcache.new_cache(model.config)``), so that a session on a quantized cache
+    stays on one. ``last_logits``: fp32 ``[vocab]`` logits predicting the token after the cache's
+    last row, when the caller knows them (None: unknown); a request identical to the cache then
+    needs no forward at all. ``ids``: ``new.token_ids`` as a LongTensor ``[N]``.
+
+    Raises:
+        InputError (ValueError): a bad policy label. InputTypeError: ``policy`` of another type.
+    """
 
     model: torch.nn.Module
     capabilities: Capabilities
     shifter: RotaryShifter | None
+    cache: DynamicCache
+    cached_ids: list[int]
+    new: RenderedPrompt
+    plan: EditPlan
+    policy: RepairPolicy
     query_ids: list[int]
     query_text: str
     new_cache: Callable[[], Cache] | None = None
     last_logits: torch.Tensor | None = None
+    ids: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.policy = RepairPolicy.coerce(self.policy)
+        self.ids = torch.tensor(self.new.token_ids, dtype=torch.long)
+
+
+@dataclass
+class Repaired:
+    """What one repair branch did: the cache (N rows), fp32 next-token logits ``[vocab]``,
+    ``exact_rows``, and ``measures``: RepairReport fields by name (token counts, ``spans``,
+    executor, times), ``budget`` where the branch spent another than the policy's, ``fallback``
+    where exact recomputation replaced a cheaper path (see :func:`_report`)."""
+
+    cache: DynamicCache
+    next_logits: torch.Tensor
+    exact_rows: int
+    measures: dict[str, Any]
+
+    def updated(self, **measures) -> "Repaired":
+        """This result with ``measures`` added or replaced."""
+        return replace(self, measures={**self.measures, **measures})
 
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
 
-def repair(
-    ctx: RepairContext,
-    cache: DynamicCache,
-    cached_ids: list[int],
-    new: RenderedPrompt,
-    plan: EditPlan,
-    policy: RepairPolicy,
-) -> RepairResult:
-    """Repair ``cache`` (rows for ``cached_ids``; modified or replaced) into the cache of ``new``.
+def repair(ctx: RepairJob) -> RepairResult:
+    """Repair ``ctx.cache`` (rows for ``ctx.cached_ids``; modified or replaced) into the cache of
+    ``ctx.new``.
 
     A request that only appends to the cached rows (``plan.extends``) prefills just its new
     tokens under every operator but a forced Re-prefill (``scope="always"``); an identical one
@@ -88,234 +120,242 @@ def repair(
     a quantized cache) are replayed from the first changed token where that is exact, else
     re-prefilled; keys that cannot be rotated (dynamic RoPE) are replayed instead of shifted.
 
-    Args:
-        cache: ``len(cached_ids)`` rows; ``cached_ids`` the token ids they were computed for.
-        new: the rendered new prompt (N tokens); ``plan``: ``plan_edits(cached_ids, ..., new)``.
-        policy: a RepairPolicy or its label (``"sur@5"``, ``"replay"``, ...).
-
     Returns:
-        RepairResult; ``exact_rows`` is N only when no stale row is left.
+        RepairResult; ``exact_rows`` is N only when no stale row is left. The report's
+        ``latency_ms`` is left to the caller (it times the whole request).
 
     Raises:
-        InputError (ValueError): the cache length differs from ``len(cached_ids)``, the plan was
-            made for another prompt, or a bad policy label. InputTypeError: ``policy`` of another type.
+        InputError (ValueError): the cache length differs from ``len(cached_ids)``, or the plan
+            was made for another prompt.
         ValueError: from the executor if the plan does not cover every position (a bug).
     """
-    t0 = time.perf_counter()
-    policy = RepairPolicy.coerce(policy)
-    _check_inputs(cache, cached_ids, new, plan)
-    ids = torch.tensor(new.token_ids, dtype=torch.long)
-    report = RepairReport(
-        operator=policy.operator,
-        budget=policy.effective_budget if policy.operator in ("refresh", "shift", "replay") else None,
-        allocator=policy.allocator if policy.operator == "refresh" else None,
-        prompt_tokens=len(new),
-        reused_tokens=0,
-        recomputed_tokens=0,
-        stale_tokens=plan.stale_tokens,
-        kept_stale_tokens=plan.kept_stale_tokens,
-        edits={k: plan.count(k) for k in ("keep", "delete", "replace", "insert", "append") if plan.count(k)},
-        widened=list(plan.widened),
-    )
-    report.capability_notes = list(ctx.capabilities.notes)
-    # only appended rows (or, for an identical request, known last-row logits): no cached row is
-    # dropped, moved or rewritten, so no capability gate applies
-    extends = plan.extends(len(cached_ids)) and (len(new) > len(cached_ids) or ctx.last_logits is not None)
-    cache_gate = cache_unsupported_reason(cache)
-    gate = cache_gate or ctx.capabilities.row_reuse_reason
-    # Re-prefill names what happens on an edit; it also rebuilds a cache whose rows are stale
-    exact_without_edit = not (plan.edits_history or plan.stale_tokens or plan.kept_stale_tokens)
-    if policy.forces_reprefill or (policy.operator == "reprefill" and not exact_without_edit):
-        result = _reprefill(ctx, ids, report)
-    elif extends:
-        result = _extend(ctx, cache, ids, plan, report)
-    elif gate:
-        if not cache_gate and ctx.capabilities.replay_exact(len(cached_ids)):
-            result = _replay(ctx.model, cache, ids, plan, report)  # every row it attends to is still held
-            report.fallback = f"{gate} [this edit: Replay from token {report.spans[0][0]}]"
-        else:
-            result = _reprefill(ctx, ids, report)
-            report.fallback = f"{gate} [this edit: Re-prefill]"
-    else:
-        budget = policy.effective_budget
-        moved = any(run.new_start != run.old_start for run in plan.reuse)
-        if moved and budget < 100 and ctx.capabilities.shift_reason:
-            report.fallback = ctx.capabilities.shift_reason
-            budget = 100.0
-        B = allowance(plan.stale_tokens, budget)
-        if B == plan.stale_tokens:
-            result = _replay(ctx.model, cache, ids, plan, report)
-        elif policy.adaptive:
-            result = _adaptive_refresh(ctx, cache, cached_ids, ids, new, plan, policy, report)
-        else:
-            result = _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report)
-    report.latency_ms = _ms(t0) + report.replayed_probe_ms
-    return result
+    _check_inputs(ctx)
+    done = _run_branch(ctx)
+    return RepairResult(done.cache, done.next_logits, _report(ctx, done), done.exact_rows)
 
 
-def _check_inputs(cache, cached_ids, new: RenderedPrompt, plan: EditPlan) -> None:
-    rows = kvcache.cache_length(cache)
-    if rows != len(cached_ids):
+def _check_inputs(ctx: RepairJob) -> None:
+    rows = kvcache.cache_length(ctx.cache)
+    if rows != len(ctx.cached_ids):
         raise InputError(
-            f"the cache holds {rows} rows but cached_ids has {len(cached_ids)} ids: pass the ids the rows were "
+            f"the cache holds {rows} rows but cached_ids has {len(ctx.cached_ids)} ids: pass the ids the rows were "
             "computed for (KVSession.token_ids)"
         )
-    if plan.new_length != len(new):
+    if ctx.plan.new_length != len(ctx.new):
         raise InputError(
-            f"the plan was made for a {plan.new_length}-token prompt but the new prompt has {len(new)}: "
+            f"the plan was made for a {ctx.plan.new_length}-token prompt but the new prompt has {len(ctx.new)}: "
             "build it with plan_edits(cached_ids, old, new)"
         )
 
 
-def _reprefill(ctx: RepairContext, ids: torch.Tensor, report: RepairReport) -> RepairResult:
+def _run_branch(ctx: RepairJob) -> Repaired:
+    """The branch the policy, the plan and the capability gates call for (see :func:`repair`)."""
+    plan, policy, held = ctx.plan, ctx.policy, len(ctx.cached_ids)
+    # only appended rows (or, for an identical request, known last-row logits): no cached row is
+    # dropped, moved or rewritten, so no capability gate applies
+    extends = plan.extends(held) and (len(ctx.new) > held or ctx.last_logits is not None)
+    cache_gate = cache_unsupported_reason(ctx.cache)
+    gate = cache_gate or ctx.capabilities.row_reuse_reason
+    # Re-prefill names what happens on an edit; it also rebuilds a cache whose rows are stale
+    exact_without_edit = not (plan.edits_history or plan.stale_tokens or plan.kept_stale_tokens)
+    if policy.forces_reprefill or (policy.operator == "reprefill" and not exact_without_edit):
+        return _reprefill(ctx)
+    if extends:
+        return _extend(ctx)
+    if not gate:
+        return _budgeted(ctx)
+    if not cache_gate and ctx.capabilities.replay_exact(held):
+        done = _replay(ctx)  # every row it attends to is still held
+        return done.updated(fallback=f"{gate} [this edit: Replay from token {done.measures['spans'][0][0]}]")
+    return _reprefill(ctx).updated(fallback=f"{gate} [this edit: Re-prefill]")
+
+
+def _budgeted(ctx: RepairJob) -> Repaired:
+    """Shift, then refresh B of the S stale suffix rows (B = S: Replay; ``budget="auto"``: in
+    rounds). Keys that cannot be rotated make a move replay the suffix (reported)."""
+    budget = ctx.policy.effective_budget
+    moved = any(run.new_start != run.old_start for run in ctx.plan.reuse)
+    shift_gate = ctx.capabilities.shift_reason if moved and budget < 100 else None
+    B = allowance(ctx.plan.stale_tokens, 100.0 if shift_gate else budget)
+    if B == ctx.plan.stale_tokens:
+        return _replay(ctx).updated(fallback=shift_gate)
+    if ctx.policy.adaptive:
+        return _adaptive_refresh(ctx)
+    return _sparse_refresh(ctx, B)
+
+
+def _report(ctx: RepairJob, done: Repaired) -> RepairReport:
+    """The report of one repair: the plan's and the policy's facts, then the branch's measures."""
+    policy, plan = ctx.policy, ctx.plan
+    measures = dict(done.measures)
+    fallback = measures.pop("fallback", None)
+    report = RepairReport(**{
+        "operator": policy.operator,
+        "budget": policy.effective_budget if policy.operator in ("refresh", "shift", "replay") else None,
+        "allocator": policy.allocator if policy.operator == "refresh" else None,
+        "prompt_tokens": len(ctx.new),
+        "reused_tokens": 0,
+        "recomputed_tokens": 0,
+        "stale_tokens": plan.stale_tokens,
+        "kept_stale_tokens": plan.kept_stale_tokens,
+        "edits": {k: plan.count(k) for k in ("keep", "delete", "replace", "insert", "append") if plan.count(k)},
+        "widened": list(plan.widened),
+        "capability_notes": list(ctx.capabilities.notes),
+        "intervals": len(measures.get("spans", ())),
+        **measures,
+    })
+    report.note_fallback(fallback)
+    return report
+
+
+def _reprefill(ctx: RepairJob) -> Repaired:
     t0 = time.perf_counter()
-    model = ctx.model
+    model, ids = ctx.model, ctx.ids
     cache = ctx.new_cache() if ctx.new_cache is not None else kvcache.new_cache(model.config)
     out = run_sequential(model, cache, ids, [(0, ids.shape[0])])
-    report.recomputed_tokens = ids.shape[0]
-    report.intervals, report.spans, report.executor = 1, [(0, ids.shape[0])], "sequential"
-    report.refresh_ms = _ms(t0)
-    return RepairResult(cache, out.next_logits, report, ids.shape[0])
+    return Repaired(cache, out.next_logits, ids.shape[0], dict(
+        recomputed_tokens=ids.shape[0], spans=[(0, ids.shape[0])], executor="sequential", refresh_ms=_ms(t0)))
 
 
-def _extend(ctx: RepairContext, cache, ids: torch.Tensor, plan: EditPlan, report: RepairReport) -> RepairResult:
+def _extend(ctx: RepairJob) -> Repaired:
     """Keep every cached row; prefill only the new tokens (none for an identical request, whose
     logits ``ctx.last_logits`` are already known). Rows appended after stale rows attend to them,
     so they are exact only when the whole cache was."""
     t0 = time.perf_counter()
+    cache, ids, plan = ctx.cache, ctx.ids, ctx.plan
     held, n = kvcache.cache_length(cache), ids.shape[0]
-    if held < n:
-        logits = run_sequential(ctx.model, cache, ids, [(held, n)]).next_logits
-        report.intervals, report.spans, report.executor = 1, [(held, n)], "sequential"
-    else:
-        logits = ctx.last_logits
-    report.reused_tokens, report.recomputed_tokens = held, n - held
-    report.refresh_ms = _ms(t0)
-    return RepairResult(cache, logits, report, n if plan.exact_prefix == held else plan.exact_prefix)
+    spans = [(held, n)] if held < n else []
+    logits = run_sequential(ctx.model, cache, ids, spans).next_logits if spans else ctx.last_logits
+    return Repaired(cache, logits, n if plan.exact_prefix == held else plan.exact_prefix, dict(
+        reused_tokens=held, recomputed_tokens=n - held, spans=spans, executor="sequential" if spans else None,
+        refresh_ms=_ms(t0)))
 
 
-def _replay(model, cache: DynamicCache, ids: torch.Tensor, plan: EditPlan, report: RepairReport) -> RepairResult:
+def _replay(ctx: RepairJob) -> Repaired:
     """Keep the kept prefix, recompute everything after it (at least the last token, for logits).
     The result is exact unless stale rows were kept (``plan.kept_prefix`` > ``exact_prefix``)."""
     t0 = time.perf_counter()
+    cache, ids, plan = ctx.cache, ctx.ids, ctx.plan
     start = min(plan.kept_prefix, ids.shape[0] - 1)
     kvcache.crop_to(cache, start)
-    out = run_sequential(model, cache, ids, [(start, ids.shape[0])])
-    report.reused_tokens = start
-    report.recomputed_tokens = ids.shape[0] - start
-    report.refreshed_tokens = plan.stale_tokens
-    report.intervals, report.spans, report.executor = 1, [(start, ids.shape[0])], "sequential"
-    report.refresh_ms = _ms(t0)
+    out = run_sequential(ctx.model, cache, ids, [(start, ids.shape[0])])
     exact = ids.shape[0] if start <= plan.exact_prefix else plan.exact_prefix
-    return RepairResult(cache, out.next_logits, report, exact)
+    return Repaired(cache, out.next_logits, exact, dict(
+        reused_tokens=start, recomputed_tokens=ids.shape[0] - start, refreshed_tokens=plan.stale_tokens,
+        spans=[(start, ids.shape[0])], executor="sequential", refresh_ms=_ms(t0)))
 
 
-def _sparse_refresh(ctx, cache, cached_ids, ids, new, plan, policy, B, report) -> RepairResult:
+def _sparse_refresh(ctx: RepairJob, B: int) -> Repaired:
     t0 = time.perf_counter()
-    signals = _signals(ctx, cache, cached_ids, new, plan, policy)
-    selected = _select(ctx, new, plan, policy, B, signals)
-    report.replayed_probe_ms = signals.replayed_ms if signals is not None else 0.0
-    report.selection_ms = _ms(t0) + report.replayed_probe_ms
+    cache, ids, plan, policy = ctx.cache, ctx.ids, ctx.plan, ctx.policy
+    signals = _signals(ctx)
+    selected = _select(ctx, B, signals)
+    probe_ms = signals.replayed_ms if signals is not None else 0.0
+    selection_ms = _ms(t0) + probe_ms
 
     intervals = to_intervals(sorted(set(plan.new_positions) | set(selected)))
     if not intervals or intervals[-1][1] != ids.shape[0]:
         intervals = to_intervals(sorted(set(plan.new_positions) | set(selected) | {ids.shape[0] - 1}))
     choice = choose_executor(policy.executor, len(intervals), ctx.model)
-    report.executor, report.executor_fallback = executor_label(choice, policy.backend), choice.fallback
 
     t1 = time.perf_counter()
     # packed and direct write rows in place: give them all N rows at once (placeholders included)
     rows = plan.source_rows(ids.shape[0] if choice.name != "sequential" else None)
-    shifted = engine.gather_rows(ctx.model, cache, rows)
-    report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
-    report.shift_ms = _ms(t1)
+    shifted = engine_for(ctx.model, cache).gather_rows(cache, rows)
+    shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
+    shift_ms = _ms(t1)
 
     t2 = time.perf_counter()
     out = run_refresh(ctx.model, shifted, ids, intervals, choice, policy.backend)
-    report.refresh_ms = _ms(t2)
-    report.refreshed_tokens = B
-    report.recomputed_tokens = out.forwarded_tokens
-    report.reused_tokens = ids.shape[0] - out.forwarded_tokens
-    report.intervals, report.spans = len(intervals), intervals
-    return RepairResult(shifted, out.next_logits, report, plan.exact_prefix)
+    return Repaired(shifted, out.next_logits, plan.exact_prefix, dict(
+        reused_tokens=ids.shape[0] - out.forwarded_tokens, recomputed_tokens=out.forwarded_tokens, refreshed_tokens=B,
+        shifted_tokens=shifted_tokens, spans=intervals, executor=executor_label(choice, policy.backend),
+        executor_fallback=choice.fallback, selection_ms=selection_ms, shift_ms=shift_ms, refresh_ms=_ms(t2),
+        replayed_probe_ms=probe_ms))
 
 
-def _adaptive_refresh(ctx, cache, cached_ids, ids, new, plan, policy, report) -> RepairResult:
+def _adaptive_refresh(ctx: RepairJob) -> Repaired:
     """``budget="auto"``: Shift, then refresh in rounds until the convergence signal settles
     (see :mod:`kvmemory.adaptive`); the report gives the budget spent and every round."""
-    signals = _signals(ctx, cache, cached_ids, new, plan, policy)
+    cache, ids, plan, policy = ctx.cache, ctx.ids, ctx.plan, ctx.policy
+    signals = _signals(ctx)
     selections: dict[int, list[int]] = {}
+    selecting_ms = 0.0  # summed over the rounds' selections
 
     def select_for(B: int) -> list[int]:
+        nonlocal selecting_ms
         t = time.perf_counter()
         if B not in selections:
-            selections[B] = _select(ctx, new, plan, policy, B, signals)
-        report.selection_ms += _ms(t)
+            selections[B] = _select(ctx, B, signals)
+        selecting_ms += _ms(t)
         return selections[B]
 
     t1 = time.perf_counter()
     rows = plan.source_rows(ids.shape[0])
-    shifted = engine.gather_rows(ctx.model, cache, rows)
-    report.shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
-    report.shift_ms = _ms(t1)
+    shifted = engine_for(ctx.model, cache).gather_rows(cache, rows)
+    shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
+    shift_ms = _ms(t1)
     S = plan.stale_tokens
     allowances = adaptive.schedule(S, policy.start, policy.max_budget)  # eq. 3 on S, as the fixed budget
-    t2, selecting = time.perf_counter(), report.selection_ms
+    t2 = time.perf_counter()
     out = adaptive.refresh_in_rounds(ctx.model, shifted, ids, list(plan.new_positions), allowances, select_for,
                                      signal=policy.signal, tolerance=policy.tolerance, executor=policy.executor,
                                      backend=policy.backend)
-    report.refresh_ms = _ms(t2) - (report.selection_ms - selecting)  # rounds, without their selections
-    report.replayed_probe_ms = signals.replayed_ms if signals is not None else 0.0
-    report.selection_ms += report.replayed_probe_ms
-    report.refreshed_tokens = len(out.selected)
-    report.recomputed_tokens = out.forwarded
-    report.reused_tokens = ids.shape[0] - len(set(out.selected) | set(plan.new_positions) | {ids.shape[0] - 1})
-    report.intervals, report.spans = len(out.intervals), out.intervals
-    report.executor = executor_label(ExecutorChoice(out.executor), policy.backend) if out.executor else None
-    report.executor_fallback = out.executor_fallback
+    rounds_ms = _ms(t2) - selecting_ms  # rounds, without their selections
+    probe_ms = signals.replayed_ms if signals is not None else 0.0
     spent = 100.0 * len(out.selected) / S if S else 0.0
-    report.adaptive = {"signal": policy.signal, "tolerance": policy.tolerance, "max_budget": policy.max_budget,
-                       "start": policy.start, "stopped_by": out.stopped_by, "spent_budget": spent,
-                       "probe_tokens": out.probe_tokens, "rounds": out.rounds, "escalated": False}
+    summary = {"signal": policy.signal, "tolerance": policy.tolerance, "max_budget": policy.max_budget,
+               "start": policy.start, "stopped_by": out.stopped_by, "spent_budget": spent,
+               "probe_tokens": out.probe_tokens, "rounds": out.rounds, "escalated": False}
+    computed = set(out.selected) | set(plan.new_positions) | {ids.shape[0] - 1}
+    rounds = Repaired(shifted, out.next_logits, plan.exact_prefix, dict(
+        reused_tokens=ids.shape[0] - len(computed), recomputed_tokens=out.forwarded, refreshed_tokens=len(out.selected),
+        shifted_tokens=shifted_tokens, spans=out.intervals, executor_fallback=out.executor_fallback,
+        executor=executor_label(ExecutorChoice(out.executor), policy.backend) if out.executor else None,
+        selection_ms=selecting_ms + probe_ms, shift_ms=shift_ms, refresh_ms=rounds_ms, replayed_probe_ms=probe_ms,
+        budget=spent, adaptive=summary))
     if out.stopped_by == "cap" and policy.on_cap == "replay":
-        # not settled within the cap: exact Replay of the suffix from the untouched cache; the
-        # rounds' work stays counted
-        rounds_tokens, rounds_ms = out.forwarded, report.refresh_ms
-        result = _replay(ctx.model, cache, ids, plan, report)
-        report.recomputed_tokens += rounds_tokens
-        report.refresh_ms += rounds_ms
-        report.adaptive.update(escalated=True, spent_budget=100.0)
-        report.budget = 100.0
-        report.fallback = (f"adaptive budget: the {policy.signal} signal stayed above {policy.tolerance:g} up to "
-                           f"max_budget={policy.max_budget:g} %: Replay of the suffix")
-        return result
-    report.budget = spent
-    return RepairResult(shifted, out.next_logits, report, plan.exact_prefix)
+        return _replay_after_rounds(ctx, rounds)
+    return rounds
 
 
-def _signals(ctx, cache, cached_ids, new, plan, policy) -> RepairSignals | None:
+def _replay_after_rounds(ctx: RepairJob, rounds: Repaired) -> Repaired:
+    """An adaptive refresh that did not settle within its cap: exact Replay of the suffix from
+    the untouched cache. The rounds' Shift, selections, forwarded rows and time stay counted."""
+    policy, done = ctx.policy, rounds.measures
+    replayed = _replay(ctx)
+    kept = {k: done[k] for k in ("shifted_tokens", "executor_fallback", "selection_ms", "shift_ms", "replayed_probe_ms")}
+    return replayed.updated(
+        **kept, recomputed_tokens=replayed.measures["recomputed_tokens"] + done["recomputed_tokens"],
+        refresh_ms=replayed.measures["refresh_ms"] + done["refresh_ms"], budget=100.0,
+        adaptive={**done["adaptive"], "escalated": True, "spent_budget": 100.0},
+        fallback=(f"adaptive budget: the {policy.signal} signal stayed above {policy.tolerance:g} up to "
+                  f"max_budget={policy.max_budget:g} %: Replay of the suffix"))
+
+
+def _signals(ctx: RepairJob) -> RepairSignals | None:
     """Model probes for the signal allocators (Appendix 7.4 Table 1); None for text allocators."""
-    if policy.allocator not in SIGNAL_ALLOCATORS or not plan.stale_tokens:
+    cache, plan = ctx.cache, ctx.plan
+    if ctx.policy.allocator not in SIGNAL_ALLOCATORS or not plan.stale_tokens:
         return None
 
     def shift_cache() -> DynamicCache:
         rows = plan.source_rows()
-        shifted = engine.gather_rows(ctx.model, cache, rows)
+        shifted = engine_for(ctx.model, cache).gather_rows(cache, rows)
         _rotate_moved_keys(ctx.shifter, shifted, rows)
         return shifted
 
     # rows before kept_prefix (exact, or stale and already paid for) are context shared by both prompts
     return RepairSignals(
-        model=ctx.model, token_ids=new.token_ids, eligible=_eligible(plan), old_ids=cached_ids,
+        model=ctx.model, token_ids=ctx.new.token_ids, eligible=_eligible(plan), old_ids=ctx.cached_ids,
         dirty_cache=cache, reuse=plan.reuse, exact_prefix=plan.kept_prefix, make_shift_cache=shift_cache,
         shifter=ctx.shifter,
     )
 
 
-def _select(
-    ctx: RepairContext, new: RenderedPrompt, plan: EditPlan, policy: RepairPolicy, B: int, signals: RepairSignals | None
-) -> list[int]:
-    eligible = _eligible(plan)
+def _select(ctx: RepairJob, B: int, signals: RepairSignals | None) -> list[int]:
+    new, policy = ctx.new, ctx.policy
+    eligible = _eligible(ctx.plan)
     B = min(B, len(eligible))
     if B == 0:
         return []

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 import weakref
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -17,15 +17,16 @@ from .capabilities import model_capabilities
 from .edits import common_prefix_length, plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
 from .engine import status as engine_status
-from .executors.sequential import forward_rows
+from .engine import forward_rows
 from .lookup import checked_prompt_lookup, propose
 from .policy import RepairPolicy, RepairReport
 from .shift import RotaryShifter, ShiftUnsupportedError
 from .prompt import (
-    ChatMessage, RenderedPrompt, TemplateError, normalize_messages, normalize_tools, render_prompt, render_text,
+    ChatMessage, RenderedPrompt, TemplateError, normalize_messages, normalize_tools, render_prompt, segment_prompt,
 )
-from .reforge.state import CacheView, ReforgeConfig, ReforgeState
-from .repair import RepairContext, repair
+from .reforge.state import CacheView, ReforgeConfig, ReforgeReport, ReforgeState
+from .reforge.versions import AdapterState
+from .repair import RepairJob, RepairResult, repair
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,30 @@ PROMPT_LOOKUP_TOKENS = 2  # draft tokens checked per greedy forward (kvmemory.lo
 
 # transformers' LogitsProcessor convention: (input_ids [1, L], scores [1, vocab]) -> scores
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class _RequestPlan:
+    """What ``prepare`` decided before the repair: the repair job (new rendering, edit plan, the
+    policy whose operator runs), the held message ids strict erase removes, the adapter the rows
+    are computed under, and what the report says beside the repair: why the template gives no
+    stable spans, CacheReforge maintenance since the last report, why a failed one dropped the cache."""
+
+    job: RepairJob
+    erased: list[str]
+    adapter: AdapterState | None
+    template_fallback: str | None
+    maintenance: ReforgeReport | None
+    dropped: str | None
+
+
+class _RepairRun(NamedTuple):
+    """The repair step's output: the repaired cache and its report, the CacheReforge boundary
+    states captured meanwhile, and the rows strict erase overwrote first (None: no erase)."""
+
+    result: RepairResult
+    captures: list
+    scrubbed: dict[str, int] | None
 
 
 @dataclasses.dataclass
@@ -157,8 +182,8 @@ class KVSession:
         self.reforge.reset()
 
     def restore(self, state, *, rendered: RenderedPrompt | None) -> None:
-        """Replace what the session holds with an exported state (``threads.CacheState``, already
-        checked against this model by ``threads.import_state``): its K/V layers, token ids,
+        """Replace what the session holds with an exported state (``persistence.CacheState``,
+        already checked against this model by ``persistence.import_state``): its K/V layers, token ids,
         exact rows, stale budget, pending logits, tools and per-layer adapter versions;
         ``rendered``: its messages rendered with this session's tokenizer (None: no messages)."""
         device = next(self.model.parameters()).device
@@ -216,7 +241,7 @@ class KVSession:
     # --------------------------------------------------------------- prepare
     def prepare(
         self, messages: Sequence[Mapping[str, Any] | ChatMessage], *, policy: RepairPolicy | None = None,
-        erase: str | None = None, tools: Any = KEEP_TOOLS,
+        erase: str | None = None, tools: Any = KEEP_TOOLS, rendered: RenderedPrompt | None = None,
     ) -> RepairReport:
         """Bring the cache to ``messages`` (rendered with the chat template + generation prompt).
 
@@ -228,6 +253,10 @@ class KVSession:
                 ``"reprefill:always"`` re-prefills the whole prompt even without an edit.
             tools: the tools this and later renderings offer (as in the constructor; None: no
                 tools); omitted: the session's tools stay.
+            rendered: ``messages`` already rendered and tokenized with those tools, e.g. by
+                ``prompt.render_prompt(..., segments=False)`` to pick a cache first: used instead
+                of rendering them again; ignored when the messages to render differ from its
+                ``messages`` (``dirty`` adds the held ones).
 
         Returns:
             RepairReport (tokens reused / recomputed, operator, budget, latency ms, fallback).
@@ -246,6 +275,15 @@ class KVSession:
         self.settle_stream()
         if tools is not KEEP_TOOLS:
             self.tools = tools
+        request = self._plan(messages, policy, erase, rendered)  # plan -> repair -> apply
+        return self._apply(request, self._repair(request), t0)
+
+    def _plan(self, messages, policy: RepairPolicy | str | None, erase: str | None,
+              rendered: RenderedPrompt | None) -> _RequestPlan:
+        """Plan: render ``messages``, diff them against the held rendering (the EditPlan) and
+        decide the operator (strict erase replays, ``dirty`` keeps the held messages). The cache
+        changes only by CacheReforge maintenance due first. Raises what :meth:`prepare` raises
+        before the repair starts."""
         policy = RepairPolicy.coerce(policy) if policy is not None else self.policy
         new_messages = normalize_messages(messages)
         erased = self._erased_keys(new_messages, erase if erase is not None else policy.erase, policy)
@@ -253,57 +291,76 @@ class KVSession:
             policy = policy.model_copy(update={"operator": "replay"})  # nothing after the edit point is reused
         if policy.operator == "dirty" and self.rendered is not None:
             new_messages = self._dirty_messages(new_messages)
-        new, fallback = self._render(new_messages)
+        new, template_fallback = self._render(new_messages, rendered=rendered)
         self._check_fits(len(new))
         adapter = self._sync_adapter(recover=True)  # an adapter update first: it may leave rows stale (exact_rows)
         maintenance, dropped = self._unreported_maintenance, self._dropped_reason
         self._unreported_maintenance = self._dropped_reason = None
-        old = self.rendered if fallback is None else None
+        old = self.rendered if template_fallback is None else None
         plan = plan_edits(self.token_ids, old, new, self.exact_rows, self._kept_rows(policy))
         query = new_messages[-1].content
-        ctx = RepairContext(
+        job = RepairJob(
             model=self.model,
             # longrope's factor set depends on the largest position, so check per call
             capabilities=model_capabilities(self.model.config, max(len(self.token_ids), len(new)) - 1),
-            shifter=self._shifter,
+            shifter=self._shifter, cache=self.cache, cached_ids=self.token_ids, new=new, plan=plan, policy=policy,
             query_ids=self.tokenizer(query, add_special_tokens=False)["input_ids"] or list(new.token_ids[-1:]),
             query_text=query,
             new_cache=self._new_cache,
             last_logits=None if erased else self._logits_after_cache(),
         )
-        scrubbed = self._overwrite_from(min(plan.exact_prefix, len(new) - 1)) if erased else None
+        return _RequestPlan(job, erased, adapter, template_fallback, maintenance, dropped)
+
+    def _repair(self, request: _RequestPlan) -> _RepairRun:
+        """Repair: run the branch the plan chose (strict erase first overwrites the rows it
+        recomputes). A failed repair resets the session (the next call re-prefills) and re-raises."""
+        job = request.job
+        scrubbed = self._overwrite_from(min(job.plan.exact_prefix, len(job.new) - 1)) if request.erased else None
         try:
             with self.reforge.recording() as captures:
-                result = repair(ctx, self.cache, self.token_ids, new, plan, policy)
+                result = repair(job)
         except Exception:
             self.reset()
             raise
-        kept = torch.arange(result.report.reused_tokens) if erased else plan.source_rows()
-        self.reforge.commit(captures, source_rows=kept, rows=len(new), recomputed_all=result.report.reused_tokens == 0,
-                            current=adapter)
+        return _RepairRun(result, captures, scrubbed)
+
+    def _apply(self, request: _RequestPlan, run: _RepairRun, t0: float) -> RepairReport:
+        """Apply: hold the repaired cache with its ids, messages and CacheReforge boundary states,
+        and complete the report."""
+        job, result = request.job, run.result
         report = result.report
-        if erased:
-            report.erased = {"mode": "strict", "messages": erased, "from_row": report.reused_tokens,
-                             "rows_recomputed": report.recomputed_tokens, **scrubbed}
-            self.pending_erasures.extend(k for k in erased if k not in self.pending_erasures)
-        if fallback and plan.common_prefix < len(self.token_ids):  # only an edit loses segment reuse
-            report.fallback = report.fallback or fallback
-        if maintenance is not None:  # CacheReforge brought the cache to a new adapter version since the last report
-            report.adapter = maintenance.as_dict()
-            report.fallback = report.fallback or maintenance.fallback
-        if dropped is not None:  # a failed maintenance dropped the cache: this call re-prefilled
-            report.fallback = report.fallback or dropped
-        report.engine = engine_status(self.model).as_dict()
-        report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
-        if report.fallback:
-            log.warning("kvmemory: exact recomputation instead of %s: %s", policy.label, report.fallback)
-        self._record_stale_budget(plan, policy, result.exact_rows, len(new))
-        self.cache, self.token_ids, self.rendered = result.cache, list(new.token_ids), new
+        kept = torch.arange(report.reused_tokens) if request.erased else job.plan.source_rows()
+        self.reforge.commit(run.captures, source_rows=kept, rows=len(job.new), recomputed_all=report.reused_tokens == 0,
+                            current=request.adapter)
+        if request.erased:
+            self.pending_erasures.extend(k for k in request.erased if k not in self.pending_erasures)
+        self._complete_report(report, request, run.scrubbed, t0)
+        self._record_stale_budget(job.plan, job.policy, result.exact_rows, len(job.new))
+        self.cache, self.token_ids, self.rendered = result.cache, list(job.new.token_ids), job.new
         self.next_logits, self.exact_rows = result.next_logits, result.exact_rows
         self._row_logits = (self._rows_key(), result.next_logits)
         self.last_report, self.answer_committed = report, False
-        self._replay_margin = policy.replay_margin
+        self._replay_margin = job.policy.replay_margin
         return report
+
+    def _complete_report(self, report: RepairReport, request: _RequestPlan, scrubbed: dict[str, int] | None,
+                         t0: float) -> None:
+        """The report's session entries (their only writer): strict erase, CacheReforge
+        maintenance, engine and the whole call's latency; the session's fallbacks follow the
+        repair's."""
+        if request.erased:
+            report.erased = {"mode": "strict", "messages": request.erased, "from_row": report.reused_tokens,
+                             "rows_recomputed": report.recomputed_tokens, **scrubbed}
+        if request.job.plan.common_prefix < len(request.job.cached_ids):  # only an edit loses segment reuse
+            report.note_fallback(request.template_fallback)
+        if request.maintenance is not None:  # CacheReforge moved the cache to a new adapter since the last report
+            report.adapter = request.maintenance.as_dict()
+            report.note_fallback(request.maintenance.fallback)
+        report.note_fallback(request.dropped)  # a failed maintenance dropped the cache: this call re-prefilled
+        report.engine = engine_status(self.model).as_dict()
+        report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
+        if report.fallback:
+            log.warning("kvmemory: exact recomputation instead of %s: %s", request.job.policy.label, report.fallback)
 
     def _kept_rows(self, policy: RepairPolicy) -> int:
         """Leading cached rows this request keeps without repair: all of them when the stale rows
@@ -338,19 +395,18 @@ class KVSession:
         CacheReforge records (its maintenance rewrites rows and only updates ``next_logits``)."""
         return len(self.token_ids), self.reforge.logits_version, tuple(self.reforge.anchors.layer_versions)
 
-    def _render(self, messages: list[ChatMessage], previous="session") -> tuple[RenderedPrompt, str | None]:
-        """Render with segments; on a template that rewrites history, tokens only (+ the reason)."""
+    def _render(self, messages: list[ChatMessage], previous="session",
+                rendered: RenderedPrompt | None = None) -> tuple[RenderedPrompt, str | None]:
+        """Render with segments, from ``rendered`` when it holds these messages (tokenized with
+        the session's tools); on a template that rewrites history, tokens only (+ the reason)."""
         previous = self.rendered if previous == "session" else previous
+        if rendered is None or rendered.messages != tuple(messages):
+            rendered = render_prompt(self.tokenizer, messages, tools=self.tools, previous=previous,
+                                     segments=False)
         try:
-            return render_prompt(self.tokenizer, messages, tools=self.tools, previous=previous), None
+            return segment_prompt(self.tokenizer, rendered, tools=self.tools, previous=previous), None
         except TemplateError as exc:
-            # No stable message spans: reuse only the exact common token prefix.
-            text = render_text(self.tokenizer, messages, tools=self.tools)
-            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            rendered = RenderedPrompt(
-                tuple(messages), text, tuple(enc["input_ids"]), tuple(map(tuple, enc["offset_mapping"])), ()
-            )
-            return rendered, str(exc)
+            return rendered, str(exc)  # no stable message spans: reuse only the exact common token prefix
 
     def _erased_keys(self, new_messages: list[ChatMessage], erase: str, policy: RepairPolicy) -> list[str]:
         """Ids of held messages that ``new_messages`` delete or replace, under strict erase
@@ -598,7 +654,7 @@ class KVSession:
         log.warning("kvmemory: exact recomputation during decoding: %s", reason)
         if self.last_report is not None:
             self.last_report.decode_replay = entry
-            self.last_report.fallback = self.last_report.fallback or reason
+            self.last_report.note_fallback(reason)
 
     def _append_token(self, token: int, adapter, capacity: int, draft_tokens: int = 0, history=None) -> None:
         """Give ``token`` (just picked) its cache row and set ``next_logits`` to the logits after it.
@@ -646,7 +702,7 @@ class KVSession:
         """Append ``ids`` (LongTensor ``[m]``) to the cache; CacheReforge records the boundary
         states of the new rows (one recording per forward: a suspended stream must not capture
         other sessions' forwards on the shared model). ``capacity``: rows the cache is expected
-        to reach (see ``executors.sequential.forward_rows``). Returns the fp32 next-token logits
+        to reach (see ``kvmemory.engine.forward_rows``). Returns the fp32 next-token logits
         (``[vocab]``; with ``every_row`` ``[m, vocab]``, row i after input i)."""
         start = len(self.token_ids)
         with self.reforge.recording() as captures:

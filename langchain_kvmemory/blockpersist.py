@@ -25,7 +25,7 @@ from typing import Iterator
 
 from kvmemory.errors import KVMemoryError
 from kvmemory.reforge.versions import base_weights_digest
-from kvmemory.threads import CacheState, export_state
+from kvmemory.persistence import CacheState, export_state
 
 from .blobs import BlobError, BlobRef
 from .blockstore import BlockMissing, BlockStore

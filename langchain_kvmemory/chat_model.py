@@ -43,7 +43,7 @@ from kvmemory.guard import FidelityGuard, GuardConfig
 from kvmemory.errors import InputError, InputTypeError, MessageError
 from kvmemory.models import LoadedModel, embedded_model_dir, load_model
 from kvmemory.policy import RepairPolicy
-from kvmemory.prompt import normalize_messages, render_text
+from kvmemory.prompt import RenderedPrompt, normalize_messages, render_prompt
 from kvmemory.lookup import checked_prompt_lookup
 from kvmemory.session import PROMPT_LOOKUP_TOKENS
 from kvmemory.threads import ThreadCaches
@@ -55,7 +55,7 @@ from .options import fold_aliases, normalize_device, normalize_dtype, reject_unk
 from .sampling import LogprobRecorder, Sampling
 from .streaming import TextWatcher
 from .tool_calls import CALL_OPEN, split_calls, template_renders_tools
-from .slots import pick_slot, prompt_ids
+from .slots import pick_slot, prompt_head_tokens
 from .tool_policy import DEFAULT_MARGIN, normalize_tool_choice, scored_choice
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class _Call:
     timeout: float | None
     thread_id: str  # the registry entry the call leases: the thread's cache slot
     logical_thread: str  # the LangGraph thread (response_metadata["thread_id"], checkpoint stores)
-    prompt: list[int]  # token ids of the rendered prompt
+    prompt: RenderedPrompt  # the messages rendered and tokenized (no segment table: the session adds it)
     requested: tuple | None  # the response_format asked for (see constrained.response_schema)
     parallel: bool  # several tool calls allowed in one answer
     scored: bool  # auto_tool_calls="scored" decides the choice once the thread is prepared
@@ -624,8 +624,11 @@ class ChatKVMemory(BaseChatModel):
         thread_id = self._thread_id(kwargs)
         if run_manager is not None and (run_manager.metadata or {}).get("lc_source") == "summarization":
             thread_id += "/summary"  # a summariser call inside the agent's node must not displace its cache
-        prompt, head_tokens = prompt_ids(runtime.loaded.tokenizer, session_messages, tools)
-        slot, _ = pick_slot(self.threads_for(model_name), thread_id, prompt, head_tokens, self.cache_slots)
+        # rendered and tokenized once: the slot choice reads its ids, the slot's session segments it
+        tokenizer = runtime.loaded.tokenizer
+        prompt = render_prompt(tokenizer, normalize_messages(session_messages), tools=tools, segments=False)
+        slot, _ = pick_slot(self.threads_for(model_name), thread_id, prompt.token_ids,
+                            prompt_head_tokens(tokenizer, prompt.messages, tools), self.cache_slots)
         return _Call(
             model_name=model_name, runtime=runtime, tools=tools, choice=choice,
             grammar=None if scored else self._grammar(runtime, tools, choice, requested, parallel),
@@ -657,7 +660,7 @@ class ChatKVMemory(BaseChatModel):
             policy = guard.policy_for(call.thread_id, policy)
         # the session renders the tools: through the template or folded (kvmemory.prompt)
         report = session.prepare(call.messages, policy=policy, erase=kwargs.get("erase") or self.erase,
-                                 tools=call.tools)
+                                 tools=call.tools, rendered=call.prompt)
         erased = _erase_everywhere(registry, call.logical_thread, call.thread_id, session, report)
         if guard is not None:
             guard.observe(call.thread_id, session, report)
@@ -878,11 +881,9 @@ def _check_call_settings(policy, max_tokens, temperature, timeout) -> None:
 
 def _prompt_tokens(runtime: _Runtime, session_messages, tools) -> int:
     """Tokens of the rendered prompt: the rows the thread's cache holds once prepared
-    (``get_num_tokens_from_messages``; a call counts them with ``slots.prompt_ids``). Raises what
-    rendering raises."""
-    tokenizer = runtime.loaded.tokenizer
-    text = render_text(tokenizer, normalize_messages(session_messages), tools=tools)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    (``get_num_tokens_from_messages``). Raises what rendering raises."""
+    messages = normalize_messages(session_messages)
+    return len(render_prompt(runtime.loaded.tokenizer, messages, tools=tools, segments=False))
 
 
 _NOTED_SAVERS: set[type] = set()

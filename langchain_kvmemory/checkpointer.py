@@ -49,8 +49,9 @@ from langgraph.checkpoint.base import (
     CheckpointTuple,
 )
 
-from kvmemory.errors import InputError, InputTypeError
-from kvmemory.threads import CacheState, CacheStateError, ThreadCaches, export_state
+from kvmemory.errors import CacheStateError, InputError, InputTypeError
+from kvmemory.persistence import CacheState, export_state
+from kvmemory.threads import ThreadCaches
 
 from .blobs import BlobError, BlobRef, BlobStore
 from .blockpersist import BlockPersistence

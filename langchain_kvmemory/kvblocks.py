@@ -36,7 +36,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from kvmemory.threads import CacheState, CacheStateError
+from kvmemory.errors import CacheStateError
+from kvmemory.persistence import CacheState
 
 from .blobs import BlobError, header_metadata
 from .blockstore import BlockMissing, BlockStore

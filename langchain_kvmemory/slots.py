@@ -13,24 +13,26 @@ least-recently-used first; strict erase drops them with the thread's other side 
 
 from __future__ import annotations
 
-from kvmemory.prompt import normalize_messages, render_text
+from typing import Sequence
+
+from kvmemory.edits import common_prefix_length
+from kvmemory.prompt import ChatMessage, render_text
 from kvmemory.threads import ThreadCaches
 
 SLOT_SEP = "/slot-"
 
 
-def prompt_ids(tokenizer, session_messages, tools) -> tuple[list[int], int]:
-    """Token ids of the rendered prompt, and the length of its head (the first message rendered
-    alone, tools included, without the assistant opener). Raises what rendering raises."""
-    messages = normalize_messages(session_messages)
-    full = tokenizer(render_text(tokenizer, messages, tools=tools), add_special_tokens=False)["input_ids"]
+def prompt_head_tokens(tokenizer, messages: Sequence[ChatMessage], tools) -> int:
+    """Tokens of the prompt's head: its first message rendered alone, tools included, without
+    the assistant opener; 0 when that is not a system message (no prompt head of the caller's:
+    any slot of the thread serves, edits are repaired). Raises what rendering raises."""
     if not messages or messages[0].role != "system":
-        return full, 0  # no prompt head of the caller's: any slot of the thread serves (edits are repaired)
+        return 0
     head = render_text(tokenizer, messages[:1], tools=tools, generation_prompt=False)
-    return full, len(tokenizer(head, add_special_tokens=False)["input_ids"])
+    return len(tokenizer(head, add_special_tokens=False)["input_ids"])
 
 
-def pick_slot(registry: ThreadCaches, thread_id: str, prompt: list[int], head_tokens: int,
+def pick_slot(registry: ThreadCaches, thread_id: str, prompt: Sequence[int], head_tokens: int,
               max_slots: int) -> tuple[str, int]:
     """The registry id whose cache serves this prompt, and its exact prefix reuse in tokens.
 
@@ -55,17 +57,11 @@ def pick_slot(registry: ThreadCaches, thread_id: str, prompt: list[int], head_to
     return live[0], reuse[live[0]]
 
 
-def _shared(registry: ThreadCaches, tid: str, prompt: list[int]) -> int:
+def _shared(registry: ThreadCaches, tid: str, prompt: Sequence[int]) -> int:
     session = registry.get(tid)
     if session is None:
         return -1
-    ids = list(session.token_ids)  # a snapshot: a call may be running on that slot
-    n = 0
-    for a, b in zip(ids, prompt):
-        if a != b:
-            break
-        n += 1
-    return n
+    return common_prefix_length(list(session.token_ids), prompt)  # a snapshot: a call may be running on that slot
 
 
 def _holds_nothing(registry: ThreadCaches, tid: str) -> bool:

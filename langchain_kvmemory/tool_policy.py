@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.session import KVSession
 
 from .tool_calls import CALL_OPEN

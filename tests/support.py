@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvmemory.session import KVSession
-from kvmemory_lab.tiny import tiny_config, tiny_model  # noqa: F401  (the one tiny test model)
+from kvmemory.testing import tiny_config, tiny_loaded, tiny_model  # noqa: F401  (the one tiny test model)
 
 
 def reprefill_logits(model, token_ids) -> torch.Tensor:

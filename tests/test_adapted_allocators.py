@@ -8,9 +8,7 @@ import torch
 
 import kvmemory.repair as repair_module
 from kvmemory.selection import ALLOCATOR_NAMES, PRIVILEGED, SIGNAL_ALLOCATORS, allowance, select, top_b
-from kvmemory.selection.cachetune import low_pass
-from kvmemory.selection.legolink import legolink
-from kvmemory.selection.speccache import smooth_spans, span_support
+from kvmemory.selection.adapted import legolink, low_pass, smooth_spans, span_support
 from kvmemory.session import KVSession
 from support import QUERY, history, tiny_model, without
 

@@ -9,11 +9,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from kvmemory import kvcache
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.reforge import ReforgeConfig
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
+from kvmemory.errors import CacheStateError
+from kvmemory.persistence import CacheState
 from kvmemory.session import KVSession
-from kvmemory.threads import CacheState, CacheStateError, ThreadCaches
+from kvmemory.threads import ThreadCaches
 from support import QUERY, answer_graph, history, tiny_model
 
 LAYERS = 6

@@ -3,16 +3,17 @@
 import pytest
 import torch
 
-from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, common_prefix, teacher_forced_logits, with_decode_replay
+from kvmemory.edits import common_prefix_length
+from kvmemory_lab.evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits, with_decode_replay
 from kvmemory.divergence import first_token_kl
 from kvmemory.policy import RepairPolicy
 from support import QUERY, history, prepared, without
 
 
 def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert common_prefix([], [1]) == 0
-    assert common_prefix([7, 8], [7, 8]) == 2
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([], [1]) == 0
+    assert common_prefix_length([7, 8], [7, 8]) == 2
 
 
 def test_decode_replay_rows_switch_to_the_reference_at_the_first_thin_margin():

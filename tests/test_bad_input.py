@@ -154,18 +154,22 @@ def test_a_misspelled_policy_or_guard_setting_names_the_one_meant():
 
 
 def test_repair_refuses_a_cache_that_does_not_match_its_ids(session):
-    from kvmemory.repair import RepairContext, repair
+    from kvmemory.repair import RepairJob, repair
 
     new = session._render(session.messages)[0]
     plan = plan_edits(session.token_ids, session.rendered, new, session.exact_rows)
-    ctx = RepairContext(session.model, session.capabilities, None, [1], "q")
+
+    def job(cached_ids, policy):
+        return RepairJob(model=session.model, capabilities=session.capabilities, shifter=None, cache=session.cache,
+                         cached_ids=cached_ids, new=new, plan=plan, policy=policy, query_ids=[1], query_text="q")
+
     before = Snapshot(session)
     with pytest.raises(InputError, match="cache holds"):
-        repair(ctx, session.cache, session.token_ids[:-1], new, plan, "sur@5")
+        repair(job(session.token_ids[:-1], "sur@5"))
     with pytest.raises(InputError, match="bad policy label"):
-        repair(ctx, session.cache, session.token_ids, new, plan, "sur@nan")
+        repair(job(session.token_ids, "sur@nan"))
     with pytest.raises(InputTypeError, match="RepairPolicy"):
-        repair(ctx, session.cache, session.token_ids, new, plan, 7)
+        repair(job(session.token_ids, 7))
     before.check(session)
 
 

@@ -245,7 +245,8 @@ def test_gate_is_logged_and_in_chat_response_metadata(tokenizer, caplog):
 def test_gated_caches_are_not_exported_row_for_row(factory, tokenizer):
     """A checkpointed thread whose cache cannot be stored row for row re-prefills after a restore
     (the checkpointer logs the CacheStateError) instead of loading a partial cache."""
-    from kvmemory.threads import CacheStateError, export_state
+    from kvmemory.errors import CacheStateError
+    from kvmemory.persistence import export_state
 
     if factory == "sliding":
         s = KVSession(_gemma3(1024), tokenizer)

@@ -87,6 +87,34 @@ def test_decode_time_replay_is_reported_in_the_response(tiny_chat):
     assert repair["decode_replay"]["recomputed_tokens"] > 0 and "decode margin" in repair["fallback"]
 
 
+def test_a_call_renders_and_tokenizes_its_prompt_once(tiny_chat, tokenizer, monkeypatch):
+    """The cache-slot choice and the session's prepare share one rendering of the call's messages
+    (prefix renderings for the segment table and the committed answer's rendering aside)."""
+    prompts, tokenized = [], []
+    cls = type(tokenizer)
+    render, tokenize = cls.apply_chat_template, cls.__call__
+
+    def counting_render(self, *args, **kwargs):
+        text = render(self, *args, **kwargs)
+        if kwargs.get("add_generation_prompt"):
+            prompts.append(text)
+        return text
+
+    def counting_tokenize(self, text, *args, **kwargs):
+        tokenized.append(text)
+        return tokenize(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "apply_chat_template", counting_render)
+    monkeypatch.setattr(cls, "__call__", counting_tokenize)
+    llm = tiny_chat(max_tokens=2)
+    cfg = {"configurable": {"thread_id": "render-once"}}
+    turn = [SystemMessage("Be brief.", id="s"), HumanMessage("Hello", id="h1")]
+    first = llm.invoke(turn, config=cfg)
+    llm.invoke(turn + [first, HumanMessage("More?", id="h2")], config=cfg)
+    assert len(prompts) == 2 and prompts[0] != prompts[1]  # one rendering per call
+    assert [tokenized.count(p) for p in prompts] == [1, 1]
+
+
 def test_thread_id_comes_from_the_langgraph_run_config(tiny_chat):
     llm = tiny_chat(max_tokens=2)
 

@@ -15,7 +15,7 @@ from kvmemory import kvcache
 from kvmemory.threads import ThreadCaches
 from langchain_kvmemory.checkpointer import KVCheckpointSaver
 from kvmemory_lab.harness.concurrency import run_case, run_concurrency_profile
-from support import answer_graph, history, tiny_model
+from support import answer_graph, history, tiny_loaded, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +112,6 @@ def test_an_evicted_thread_resumes_from_the_blob_written_when_it_was_evicted(tmp
 
 @pytest.mark.parametrize("mode", ["blobs", "reprefill"])
 def test_eight_threads_on_a_tiny_model_match_their_solo_runs_bit_for_bit(tmp_path, mode):
-    from kvmemory_lab.tiny import tiny_loaded
-
     counts = run_case(tiny_loaded("concurrency-tiny-llama"), 8, 4, mode, tmp_path, seed=1, max_tokens=6)
     assert counts["errors"] == [] and counts["mismatches"] == 0
     assert counts["threads"] == 8 and counts["turns"] == 32

@@ -14,7 +14,7 @@ from kvmemory.engine.llama import DENSE_FROM_ROWS, EXACT_DENSE_FROM_ROWS
 from kvmemory.engine.quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel
 from kvmemory.errors import EngineUnsupportedError
 from kvmemory.executors.packed import run_packed
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.models import embedded_gguf_path
 from support import QUERY, history, replaced, reprefill_logits, tiny_model, without
 
@@ -61,7 +61,8 @@ def _prompt(real, n: int) -> torch.Tensor:
 def test_prefill_append_and_decode_equal_transformers(real):
     ids = _prompt(real, 160)
     fast = kvcache.new_cache(real.model.config)
-    assert engine.engine_for(real.model, fast) is not None
+    assert isinstance(engine.engine_for(real.model, fast), engine.Engine)
+    assert engine.engine_for(real.model, fast).kind == "q4_1"
     logits = [forward_rows(real.model, fast, ids[:120], 0), forward_rows(real.model, fast, ids[120:125], 120)]
     # a 3-row draft check: every row's logits
     logits += list(forward_rows(real.model, fast, ids[125:128], 125, every_row=True))
@@ -258,7 +259,7 @@ def test_modified_weights_and_adapters_fall_back_to_transformers():
     status = engine.status(model)
     assert status.name == "transformers" and "modified in place" in status.reason
     cache = kvcache.new_cache(model.config)
-    assert engine.engine_for(model, cache) is None
+    assert engine.engine_for(model, cache).kind == "transformers"
     torch.testing.assert_close(forward_rows(model, cache, ids, 0), reprefill_logits(model, ids), atol=1e-4, rtol=0)
     with pytest.raises(EngineUnsupportedError, match="not the GGUF file's blocks"):
         engine.attach(model, embedded_gguf_path(), "q4_1")
@@ -507,7 +508,7 @@ def test_gathered_rows_land_in_an_engine_buffer_with_the_same_rows(real):
     n = len(session.token_ids)
     rows = torch.cat([torch.arange(0, 10), torch.full((3,), -1), torch.arange(20, n)])
     expected = kvcache.gather_rows(session.cache, rows)
-    gathered = engine.gather_rows(real.model, session.cache, rows)
+    gathered = engine.engine_for(real.model, session.cache).gather_rows(session.cache, rows)
     for (k, v), (k2, v2) in zip(kvcache.layer_tensors(expected), kvcache.layer_tensors(gathered)):
         assert torch.equal(k, k2) and torch.equal(v, v2)
     storage = engine.engine_for(real.model, gathered).buffers.reserve(gathered, rows.shape[0], 1)
@@ -534,8 +535,8 @@ def test_a_short_packed_refresh_runs_on_the_blocks_like_the_dense_weights(real):
     positions = [5, 6, 7, 40, 41, 90, len(session.token_ids) - 1]
     dense_from = engine.engine_for(real.model, session.cache).dense_from_rows
     assert dense_from == EXACT_DENSE_FROM_ROWS  # the exact engine: blocks up to 95 rows, then dense GEMMs
-    assert engine.block_linears(real.model, session.cache, dense_from - 1) is not None
-    assert engine.block_linears(real.model, session.cache, dense_from) is None
+    assert engine.engine_for(real.model, session.cache).block_linears(dense_from - 1) is not None
+    assert engine.engine_for(real.model, session.cache).block_linears(dense_from) is None
     on_blocks, fast = run_packed(real.model, session.cache, ids, positions)
     engine.attach(real.model, embedded_gguf_path(), "transformers")
     try:
@@ -567,7 +568,7 @@ def test_a_packed_refresh_of_engine_rows_is_one_engine_call_with_the_same_rows(r
     original = type(engine.engine_for(real.model, session.cache)).refresh_rows
     monkeypatch.setattr(type(engine.engine_for(real.model, session.cache)), "refresh_rows",
                         lambda self, *a: calls.append(original(self, *a)) or calls[-1])
-    in_engine = engine.gather_rows(real.model, session.cache, kept)
+    in_engine = engine.engine_for(real.model, session.cache).gather_rows(session.cache, kept)
     copied = kvcache.from_tensors(kvcache.layer_tensors(in_engine))
     _, fast = run_packed(real.model, in_engine, ids, positions, in_place=True)
     assert len(calls) == 1 and calls[0] is not None  # the engine ran it
@@ -579,7 +580,7 @@ def test_a_packed_refresh_of_engine_rows_is_one_engine_call_with_the_same_rows(r
         torch.testing.assert_close(v, v2, atol=ROWS_ATOL, rtol=0)
     unchanged = torch.ones(len(kept), dtype=torch.bool)
     unchanged[positions] = False
-    before = kvcache.layer_tensors(engine.gather_rows(real.model, session.cache, kept))
+    before = kvcache.layer_tensors(engine.engine_for(real.model, session.cache).gather_rows(session.cache, kept))
     for (k, _), (k2, _) in zip(kvcache.layer_tensors(in_engine), before):
         assert torch.equal(k[:, :, unchanged], k2[:, :, unchanged]) and not torch.equal(k, k2)
 

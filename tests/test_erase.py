@@ -15,7 +15,7 @@ from safetensors.torch import load
 
 from kvmemory import kvcache
 from kvmemory.edits import common_prefix_length
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.models import LoadedModel
 from kvmemory.session import KVSession
 from langchain_kvmemory.chat_model import ChatKVMemory

@@ -20,7 +20,8 @@ from kvmemory_lab.invariants import (
     token_violations,
 )
 from kvmemory.session import KVSession
-from kvmemory.threads import ThreadCaches, export_state
+from kvmemory.persistence import export_state
+from kvmemory.threads import ThreadCaches
 from support import QUERY, history, without
 
 

@@ -10,9 +10,9 @@ import torch
 from kvmemory import InputError, KVSession, engine, kvcache, load_model
 from kvmemory.engine import graphs
 from kvmemory.errors import EngineUnsupportedError
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.models import embedded_gguf_path
-from support import QUERY, history, reprefill_logits, tiny_model, without
+from support import QUERY, history, reprefill_logits, tiny_loaded, tiny_model, without
 
 TINY_ATOL = 1e-5  # fp32, 2 layers: attention over zero-weighted spare rows changes only the sum order
 REAL_ATOL = 1e-3  # fp32, 30 layers (as the CPU engine's tolerance)
@@ -63,8 +63,6 @@ def test_a_session_on_the_graph_engine_repairs_and_answers_like_transformers(mon
     """Attached (the GPU check stubbed out: here the step runs eagerly), every append and decoded
     token runs on the engine: answers, a deletion repair and Replay equal the transformers
     engine's; an adapter-like module swap hands the model back to transformers."""
-    from kvmemory_lab.tiny import tiny_loaded
-
     reference = tiny_loaded("graph-reference")
     loaded = tiny_loaded("graph-engine")
     monkeypatch.setattr(graphs, "unsupported_reason", lambda model: None)

@@ -8,10 +8,9 @@ import torch
 from transformers import QuantizedCache
 
 from kvmemory import InputError, InputTypeError, KVSession, engine, kvcache
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.lookup import propose
-from kvmemory_lab.tiny import tiny_loaded
-from support import QUERY, history, reprefill_logits
+from support import QUERY, history, reprefill_logits, tiny_loaded
 
 LOGITS_ATOL = 1e-3  # fp32, another summation order (see test_engine.py)
 
@@ -168,7 +167,7 @@ def test_a_stream_left_suspended_is_closed_by_the_next_call(tiny):
 def test_engine_rows_of_a_draft_equal_transformers_at_every_position(real):
     ids = torch.tensor(real.tokenizer(" ".join(m["content"] for m in history()), add_special_tokens=False)["input_ids"][:90])
     fast = kvcache.new_cache(real.model.config)
-    assert engine.engine_for(real.model, fast) is not None
+    assert engine.engine_for(real.model, fast).kind == "q4_1"
     forward_rows(real.model, fast, ids[:80], 0)
     rows = forward_rows(real.model, fast, ids[80:90], 80, every_row=True)
     assert rows.shape == (10, real.model.config.vocab_size)

@@ -14,11 +14,11 @@ from langchain_core.messages import HumanMessage
 from kvmemory import InputTypeError, KVSession, kvcache
 from kvmemory.errors import AdapterUpdateError
 from kvmemory.reforge import ReforgeConfig, capture_adapter
-from kvmemory.reforge.online import OnlineAdapter
+from kvmemory.online_adapter import OnlineAdapter
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
 from kvmemory.threads import ThreadCaches
 from langchain_kvmemory import ChatKVMemory
-from langchain_kvmemory.test_time_training import to_chat_messages
+from langchain_kvmemory.online_training import trained_messages
 from support import QUERY, history, tiny_model
 from test_reforge import LAYERS, lora_tiny
 
@@ -69,7 +69,7 @@ def test_a_step_that_fails_half_way_is_rolled_back(tokenizer, caplog):
     session.prepare(history() + [QUERY])
     online = OnlineAdapter(pm, tokenizer, {"t": session}, optimizer=optimizer)
     before, weights = _digest(pm), [p.detach().clone() for p in trainable]
-    with caplog.at_level(logging.ERROR, logger="kvmemory.reforge.online"), \
+    with caplog.at_level(logging.ERROR, logger="kvmemory.online_adapter"), \
             pytest.raises(AdapterUpdateError, match="rolled back") as failed:
         online.update(history()[:2], "Helmsford")
     assert failed.value.version == before == _digest(pm) and online.updates == 0
@@ -137,7 +137,7 @@ def test_an_update_over_chat_threads_serves_the_next_call_from_the_maintained_ca
     first = chat.invoke([QUESTION], config=cfg)
     held = _held_rows(chat, "ttt")
     online = OnlineAdapter(lora_real, real.tokenizer, chat.threads, lr=5e-2)
-    report = online.update(to_chat_messages([QUESTION]), "Helmsford")
+    report = online.update(trained_messages(real.tokenizer, [QUESTION]), "Helmsford")
     assert report.version_before != report.version_after and not report.dropped and not report.busy
     assert set(report.sessions) == {"ttt"} and report.sessions["ttt"].action == "full_suffix"
     assert report.sessions["ttt"].start == 15 and report.sessions["ttt"].rows == held
@@ -164,7 +164,7 @@ def test_a_thread_whose_maintenance_fails_after_the_step_is_recomputed_exactly(r
     held = _held_rows(chat, "kept")
     online = OnlineAdapter(lora_real, real.tokenizer, chat.threads, lr=5e-2)
     with caplog.at_level(logging.WARNING):
-        report = online.update(to_chat_messages([QUESTION]), "Helmsford")
+        report = online.update(trained_messages(real.tokenizer, [QUESTION]), "Helmsford")
     assert report.version_after != report.version_before and online.updates == 1
     assert set(report.sessions) == {"kept"} and set(report.dropped) == {"inference"}
     assert "inference" in report.dropped["inference"].lower() and "dropped" in caplog.text

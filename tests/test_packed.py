@@ -239,7 +239,7 @@ class _ScaledLinear(torch.nn.Linear):
 def _edited_long_prompt(model, n=480):
     """A prefilled random-token prompt of n tokens and the same prompt with the 64 positions of 16
     spread runs of 4 (the last ending at n-1) replaced: those rows are stale and must change."""
-    from kvmemory.executors.sequential import forward_rows
+    from kvmemory.engine import forward_rows
 
     ids = torch.randint(100, 49000, (n,), generator=torch.Generator().manual_seed(0))
     cache = kvcache.new_cache(model.config)
@@ -256,7 +256,8 @@ def test_multi_tile_attention_and_mlp_paths_equal_sequential(family, wrapped_mlp
     """64 spread rows: the SDPA plan has several row tiles (each with its own key range) and the MLP
     runs by columns on plain linears or through the module on wrapped ones; K/V at every layer and
     the logits match the sequential executor (1e-4), unselected rows are bit-identical."""
-    from kvmemory.executors.packed import is_plain_mlp, row_tiles
+    from kvmemory.engine.traversal import is_plain_mlp
+    from kvmemory.executors.packed import row_tiles
 
     model = tiny_model(family)
     if wrapped_mlp:

@@ -18,7 +18,7 @@ from transformers import QuantizedCache
 from transformers.cache_utils import Cache, QuantizedLayer
 
 from kvmemory import kvcache
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory_lab.invariants import memory_violations
 from kvmemory.reforge.state import ReforgeConfig
 from kvmemory.session import KVSession

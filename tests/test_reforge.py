@@ -13,7 +13,7 @@ from kvmemory_lab.reforge.analysis import certificates, horizon_table, hybrid_ex
 from kvmemory_lab.reforge.calibration import (
     WindowScores, build_profile, candidate_windows, condition_result, first_safe_window, lower_tail_statistic,
 )
-from kvmemory.reforge.online import OnlineAdapter
+from kvmemory.online_adapter import OnlineAdapter
 from kvmemory.reforge.profile import ProfileKey, ReforgeProfile
 from kvmemory.reforge.restart import target_boundaries
 from kvmemory.reforge.versions import lora_modules

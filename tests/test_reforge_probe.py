@@ -18,7 +18,7 @@ from kvmemory.reforge.profile import ReforgeProfile
 from kvmemory.reforge.recovery import embed, run_layers
 from kvmemory.reforge.scheduler import BudgetAccount
 from kvmemory.session import KVSession
-from kvmemory.threads import CacheState, export_state, import_state
+from kvmemory.persistence import CacheState, export_state, import_state
 from support import QUERY, history
 from test_reforge import LAYERS, MSGS, calibrated_profile, fresh_logits, lora_tiny, nudge
 
@@ -306,7 +306,7 @@ def test_real_model_probed_budget_probe_edit_and_import(real_lora, tokenizer):
     (the probe at 15 equals the fresh-vs-stale deviation of a Re-prefill); at 60 % the probes
     find every layer stale (τ = 0) and the update is exact; an edit and an imported cache are
     exact against Re-prefill."""
-    from kvmemory.reforge.online import OnlineAdapter
+    from kvmemory.online_adapter import OnlineAdapter
 
     model = real_lora
     msgs = history()[:4] + [QUERY]
@@ -348,7 +348,7 @@ def test_real_model_restart_projection_refreshes_layer_15_exactly(real_lora, tok
     """SmolLM2 + rank-8 LoRA on v_proj@15 at 5 %: the projection rewrites layer 15's K/V as a
     Re-prefill's (every row but the request row), costs 6.25 % of a layer, leaves 16–29 stale
     and lowers the KL to fresh below stale reuse; an edit afterwards is exact."""
-    from kvmemory.reforge.online import OnlineAdapter
+    from kvmemory.online_adapter import OnlineAdapter
 
     model = real_lora
     msgs = history()[:4] + [QUERY]

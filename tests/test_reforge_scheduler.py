@@ -14,7 +14,7 @@ from kvmemory.reforge.profile import ReforgeProfile
 from kvmemory_lab.reforge.schedule_fit import fit_tail_weights
 from kvmemory.reforge.scheduler import BudgetAccount, SchedulerCalibration, schedule
 from kvmemory.session import KVSession
-from kvmemory.threads import CacheState, export_state, import_state
+from kvmemory.persistence import CacheState, export_state, import_state
 from support import QUERY, history
 from test_reforge import LAYERS, MSGS, calibrated_profile, fresh_logits, lora_tiny, nudge
 
@@ -183,7 +183,7 @@ def test_real_model_scheduled_budget_mixed_cache_edit_and_import(real_lora, toke
     1.5 layers, so the scheduler refreshes at most layer 15 and says the rest is stale; an edit
     (Replay) and an exported / imported cache are then exact against Re-prefill; at 50 % the
     suffix [15, 30) is affordable and the update itself is exact."""
-    from kvmemory.reforge.online import OnlineAdapter
+    from kvmemory.online_adapter import OnlineAdapter
 
     model = real_lora
     msgs = history()[:4] + [QUERY]

@@ -72,7 +72,8 @@ def test_identical_request_after_sparse_repair_refreshes_nothing(llama, tokenize
 def test_a_restored_cache_keeps_its_repair_budget(llama, tokenizer):
     """An exported state says what its stale rows were repaired under: the restored thread does
     not refresh them again on an identical request."""
-    from kvmemory.threads import CacheState, ThreadCaches
+    from kvmemory.persistence import CacheState
+    from kvmemory.threads import ThreadCaches
 
     reg = ThreadCaches(llama, tokenizer, "sur@5")
     with reg.lease("a") as s:

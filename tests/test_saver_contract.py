@@ -19,10 +19,10 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
 from kvmemory.threads import ThreadCaches
-from kvmemory_lab.tiny import tiny_loaded
 from langchain_kvmemory import ChatKVMemory
 from langchain_kvmemory.checkpointer import CACHE_KEY, KVCheckpointSaver
 from servers import postgres_url  # noqa: F401  (fixture)
+from support import tiny_loaded
 
 TURN1 = [SystemMessage("You are brief.", id="sys"), HumanMessage("Name a colour of the sky at noon.", id="u1")]
 TURN2 = [HumanMessage("And at sunset?", id="u2")]

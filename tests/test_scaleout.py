@@ -15,7 +15,8 @@ from langgraph.checkpoint.conformance import checkpointer_test, validate
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import START, MessagesState, StateGraph
 
-from kvmemory.threads import CacheState, ThreadCaches
+from kvmemory.persistence import CacheState
+from kvmemory.threads import ThreadCaches
 from langchain_kvmemory.blockpersist import LeaseTimeout
 from langchain_kvmemory.blockstore import FilesystemBlockStore
 from langchain_kvmemory.checkpointer import CACHE_KEY, KVCheckpointSaver

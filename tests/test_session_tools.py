@@ -18,7 +18,7 @@ from kvmemory.errors import InputError, InputTypeError
 from kvmemory.models import LoadedModel
 from kvmemory.prompt import template_renders_tools, tools_block
 from kvmemory.session import KVSession
-from kvmemory.threads import export_state, import_state
+from kvmemory.persistence import export_state, import_state
 from langchain_kvmemory import ChatKVMemory
 from support import reprefill_logits, tiny_model
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from kvmemory import kvcache
-from kvmemory.threads import CacheState, CacheStateError, ThreadCaches
+from kvmemory.errors import CacheStateError
+from kvmemory.persistence import CacheState
+from kvmemory.threads import ThreadCaches
 from support import QUERY, history, replaced, tiny_model
 
 

@@ -33,8 +33,12 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from ..capabilities import packed_unsupported_reason
+from .base import BufferedEngine
 from .buffers import CacheBuffers
-from .watch import WeightWatch
+from .interface import BlockLinears
+from .traversal import packed_hidden_states
+from .watch import has_lora
 
 
 @dataclass
@@ -46,37 +50,38 @@ class _Graph:
 
 
 def unsupported_reason(model) -> str | None:
-    """Why the ``"cuda_graphs"`` engine cannot run ``model`` (None: it can)."""
-    from ..capabilities import packed_unsupported_reason
-
+    """Why the ``"cuda_graphs"`` engine cannot be built for ``model`` (None: it can)."""
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1 or next(iter(devices)).type != "cuda" or not torch.cuda.is_available():
         return "the model is not on one CUDA device (move it first: model.to('cuda'))"
-    if any(hasattr(m, "lora_A") for m in model.modules()):
+    if has_lora(model):
         return "a LoRA adapter is attached"
     reason = packed_unsupported_reason(model)
     return f"the decode step is the packed executor's traversal, which cannot run it: {reason}" if reason else None
 
 
-class GraphDecoder:
-    """The ``"cuda_graphs"`` engine (see the module docstring). ``capture``: record and replay a
-    CUDA graph for one-token steps (default: when the model is on CUDA)."""
+class GraphDecoder(BufferedEngine):
+    """The ``"cuda_graphs"`` engine (see the module docstring), an
+    :class:`~kvmemory.engine.interface.Engine`. ``capture``: record and replay a CUDA graph for
+    one-token steps (default: when the model is on CUDA)."""
 
     kind = "cuda_graphs"
 
     def __init__(self, model, capture: bool | None = None):
         text = model.config.get_text_config()
         weight = next(model.parameters())
-        self.model = model
         self.capture = weight.device.type == "cuda" if capture is None else capture
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.buffers = CacheBuffers(text.num_key_value_heads, head_dim, weight.dtype, weight.device)
-        self._watched = WeightWatch.of(model)
+        super().__init__(model, CacheBuffers(text.num_key_value_heads, head_dim, weight.dtype, weight.device))
         self._graphs: "weakref.WeakKeyDictionary[torch.Tensor, _Graph]" = weakref.WeakKeyDictionary()  # per K buffer
 
-    def stale_reason(self) -> str | None:
-        """Why the captured weights may no longer be the model's (None: they are)."""
-        return self._watched.stale_reason()
+    def refresh_rows(self, cache, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """No one-call refresh: the packed executor runs it on the model's modules."""
+        return None
+
+    def block_linears(self, rows: int) -> BlockLinears | None:
+        """No weight blocks: the model's own (dense) modules."""
+        return None
 
     @torch.no_grad()
     def forward_rows(self, cache, token_ids: torch.Tensor, start: int, capacity: int | None = None,
@@ -98,8 +103,6 @@ class GraphDecoder:
     def _rows(self, storage, token_ids: torch.Tensor, positions: torch.Tensor, every_row: bool) -> torch.Tensor:
         """The packed traversal of ``token_ids`` at ``positions`` over the storage's whole
         capacity (no host synchronisation inside: it is what a graph records)."""
-        from ..executors.packed import packed_hidden_states
-
         keys, values = storage.all_keys.unbind(0), storage.all_values.unbind(0)
         layers = SimpleNamespace(layers=[SimpleNamespace(keys=k, values=v) for k, v in zip(keys, values)])
         visible = torch.arange(storage.capacity, device=positions.device)[None] <= positions[:, None]

@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from .base import BufferedEngine
 from .buffers import CacheBuffers
-from .quantized import Q4Linear, Q8Linear, on_huge_pages
-from .watch import WeightWatch
+from .interface import BlockLinears
+from .quantized import Q4Linear, Q8Linear, kernel, on_huge_pages
 
 # Inputs of this many rows or more run layer by layer on the dense weights (compute-bound GEMMs);
 # fewer run in one call on the blocks. The exact engine's crossover, measured on its kernels: 43
@@ -42,14 +43,6 @@ EXACT_DENSE_FROM_ROWS = 96
 
 
 @dataclass
-class BlockLinears:
-    """See :meth:`QuantizedLlama.block_linears`."""
-
-    layers: list  # per layer (qkv, o, gate_up, down)
-    head: object
-
-
-@dataclass
 class _Layer:
     qkv: Q4Linear  # fused q, k, v rows (transformers' row order)
     o: Q4Linear
@@ -58,14 +51,14 @@ class _Layer:
     module: torch.nn.Module  # the transformers decoder layer: norms and dense weights
 
 
-class QuantizedLlama:
-    """A Llama-family decoder on GGUF blocks (see the module docstring). Build with
-    :func:`kvmemory.engine.attach`, which verifies the blocks against the model's weights."""
+class QuantizedLlama(BufferedEngine):
+    """A Llama-family decoder on GGUF blocks (see the module docstring), an
+    :class:`~kvmemory.engine.interface.Engine`. Build with :func:`kvmemory.engine.attach`, which
+    verifies the blocks against the model's weights."""
 
     def __init__(self, model, layers: list[_Layer], head: Q8Linear, int8_activations: bool = False,
                  bf16_prefill: bool = False):
         text = model.config.get_text_config()
-        self.model = model
         moved = on_huge_pages([q for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head])
         self.layers = [_Layer(*moved[4 * i:4 * i + 4], layer.module) for i, layer in enumerate(layers)]
         self.head = moved[-1]
@@ -79,13 +72,11 @@ class QuantizedLlama:
         self.kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.heads
         self.scale = layers[0].module.self_attn.scaling
-        self.buffers = CacheBuffers(self.kv_heads, self.head_dim, torch.float32, torch.device("cpu"))
-        self._watched = WeightWatch.of(model)
+        super().__init__(model, CacheBuffers(self.kv_heads, self.head_dim, torch.float32, torch.device("cpu")))
         self.decoder = self._decoder()
 
     def _decoder(self):
         """The compiled one-token decoder over the same blocks and the model's norm weights."""
-        from .quantized import kernel
 
         def triples(name):
             return [t for layer in self.layers for b in [getattr(layer, name)] for t in (b.codes, b.scales, b.mins)]
@@ -106,16 +97,15 @@ class QuantizedLlama:
         copies = sum(w.numel() * w.element_size() for d in self.bf16 or [] for w in d.values())
         return copies + self.head.nbytes + sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes for l in self.layers)
 
-    def stale_reason(self) -> str | None:
-        """Why the blocks may no longer equal the model's weights (None: they do; see
-        :class:`~kvmemory.engine.watch.WeightWatch`). Checked before every call."""
-        return self._watched.stale_reason()
-
-    def block_linears(self) -> "BlockLinears":
+    def block_linears(self, rows: int) -> BlockLinears | None:
         """This engine's linears on its blocks, as :meth:`forward_rows` runs them for short inputs
-        (the engine's int8 setting included): per layer ``(qkv, o, gate_up, down)`` and the head,
-        each a callable fp32 ``[m, in] -> [m, out]`` (q, k, v and gate, up fused in the model's
-        row order)."""
+        (the engine's int8 setting included), when ``rows`` new rows would run on them (fewer
+        than ``dense_from_rows``: weight bytes bound such an input, and the blocks are 1/5 of the
+        dense weights' bytes); None otherwise. Same products as the dense weights up to fp32
+        summation order."""
+        if rows >= self.dense_from_rows:
+            return None
+
         def bound(blocks):
             return lambda x: blocks(x, int8=self.int8)
 
@@ -159,8 +149,8 @@ class QuantizedLlama:
     @torch.no_grad()
     def refresh_rows(self, cache, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The packed layer-major refresh (paper §3.3, eqs. 21-22) of a few rows in one kernel call:
-        at every layer the rows at ``positions`` (LongTensor ``[B]``, strictly increasing, B <
-        ``dense_from_rows``) get fresh K/V, written into the cache first; then each attends to its
+        at every layer the rows at ``positions`` (LongTensor ``[B]``, strictly increasing) get
+        fresh K/V, written into the cache first; then each attends to its
         causal prefix of the updated cache. Same recurrence as
         :func:`kvmemory.executors.packed.run_packed` on this engine's blocks (fp32 summation order
         aside).
@@ -168,10 +158,10 @@ class QuantizedLlama:
         ``cache``: a cache whose rows this engine's storage holds (``gather_rows`` made it), rows
         written in place. ``token_ids``: LongTensor ``[B]``, the tokens at ``positions``.
         Returns fp32 logits ``[vocab]`` after the last position, or None when the storage does not
-        back ``cache`` (nothing written; refresh another way).
+        back ``cache`` or B >= ``dense_from_rows`` (nothing written; refresh another way).
         """
         storage = self.buffers.owned(cache)
-        if storage is None:
+        if storage is None or positions.numel() >= self.dense_from_rows:
             return None
         body = self.model.model
         hidden = body.embed_tokens(token_ids)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import EngineUnsupportedError
+from ..paths import cache_root
 from .buffers import huge_pages
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ def kernel():
 
 def _build():
     from torch.utils.cpp_extension import load
-
-    from ..models import cache_root
 
     source = Path(__file__).with_name("quantized_linear.cpp")
     # -fopenmp: at::parallel_for splits work over torch's threads only in an OpenMP build (without
@@ -184,8 +183,6 @@ def load_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | torch.Tensor
     the GGUF's metadata takes ~10 s; the copy loads in well under a second). The copy is keyed
     by the file's name, size and modification time and written atomically."""
     from safetensors.torch import load_file, save_file
-
-    from ..models import cache_root
 
     stat = path.stat()
     copy = cache_root() / "blocks" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}.safetensors"

@@ -71,6 +71,22 @@ torch::Tensor block_sums(const torch::Tensor& x) {
   return out;
 }
 
+// One output row of a Q4_1 weight (codes q, scales d and mins m of its nb blocks) times one
+// activation row x [nb * 32] with per-block sums xs [nb], in the factored form
+// sum_b d_b * (codes_b . x_b) + m_b * sum(x_b): the portable path of the linears below.
+inline float q4_row_dot(const uint8_t* q, const float* d, const float* m, const float* x, const float* xs,
+                        int64_t nb) {
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    float dot = 0.f;
+    for (int64_t j = 0; j < 16; ++j) {
+      dot += float(q[b * 16 + j] & 0xF) * x[b * kBlock + j] + float(q[b * 16 + j] >> 4) * x[b * kBlock + 16 + j];
+    }
+    total += d[b] * dot + m[b] * xs[b];
+  }
+  return total;
+}
+
 #if defined(__AVX512F__)
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 #endif
@@ -110,18 +126,7 @@ void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float
     }
   }
 #endif
-  for (; o < row_end; ++o) {
-    const uint8_t* q = codes + o * nb * 16;
-    float total = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      float dot = 0.f;
-      for (int64_t j = 0; j < 16; ++j) {
-        dot += float(q[b * 16 + j] & 0xF) * x[b * kBlock + j] + float(q[b * 16 + j] >> 4) * x[b * kBlock + 16 + j];
-      }
-      total += d[o * nb + b] * dot + m[o * nb + b] * xs[b];
-    }
-    y[o] = total;
-  }
+  for (; o < row_end; ++o) y[o] = q4_row_dot(codes + o * nb * 16, d + o * nb, m + o * nb, x, xs, nb);
 }
 
 #if defined(__AVX512F__)
@@ -186,19 +191,8 @@ void q4_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
   return;
 #endif
   for (int64_t o = row_begin; o < row_end; ++o) {  // portable path: the factored form
-    const uint8_t* q = codes + o * nb * 16;
     for (int64_t i = 0; i < M; ++i) {
-      const float* xr = x + i * K;
-      const float* xsr = xs + i * nb;
-      float total = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        float dot = 0.f;
-        for (int64_t j = 0; j < 16; ++j) {
-          dot += float(q[b * 16 + j] & 0xF) * xr[b * kBlock + j] + float(q[b * 16 + j] >> 4) * xr[b * kBlock + 16 + j];
-        }
-        total += d[o * nb + b] * dot + m[o * nb + b] * xsr[b];
-      }
-      y[i * N + o] = total;
+      y[i * N + o] = q4_row_dot(codes + o * nb * 16, d + o * nb, m + o * nb, x + i * K, xs + i * nb, nb);
     }
   }
 }

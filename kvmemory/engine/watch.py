@@ -40,3 +40,8 @@ class WeightWatch:
         if not all(held.get(attr) is param and param._version == version for held, attr, param, version in self.params):
             return "a model weight was modified in place after the engine was built"
         return None
+
+
+def has_lora(model) -> bool:
+    """Whether a (PEFT) LoRA adapter wraps any of ``model``'s modules."""
+    return any(hasattr(m, "lora_A") for m in model.modules())

@@ -17,8 +17,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..capabilities import packed_unsupported_reason
+from ..engine import ForwardResult
 from .packed import run_packed
-from .sequential import ForwardResult, run_direct, run_sequential
+from .sequential import run_direct, run_sequential
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Executors that (re)compute cache rows through every layer with the model's own forward.
+"""Executors that recompute cache rows interval by interval, each interval one engine call
+(:func:`kvmemory.engine.forward_rows`: the attached engine, or the model's own forward).
 
 The sequential-interval executor is the paper's reference (§7.1): each maximal interval
 ``[a, b)`` of positions to compute is forwarded, in order, against a copy of the current cache
@@ -14,56 +15,13 @@ selected positions in one native call with a 4-D mask. The packed executor is in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .. import kvcache
-from ..engine import engine_for
+from ..engine import ForwardResult, forward_rows
 from ..errors import InputTypeError
-
-
-@dataclass
-class ForwardResult:
-    """Logits ``[vocab]`` (fp32) predicting the token after the last computed position, when the
-    last interval ends at the end of the prompt; None otherwise."""
-
-    next_logits: torch.Tensor | None
-    forwarded_tokens: int
-
-
-def forward_rows(
-    model, cache: DynamicCache, token_ids: torch.Tensor, start: int, *, capacity: int | None = None,
-    every_row: bool = False,
-) -> torch.Tensor:
-    """Forward ``token_ids`` (LongTensor ``[n]``) at positions ``[start, start+n)`` against
-    ``cache``, which must hold exactly ``start`` rows; appends n rows to it.
-
-    Runs on the model's attached engine (:mod:`kvmemory.engine`) when it can compute these rows
-    (a plain cache, no adapter, unmodified weights), else on the model's own forward.
-    ``capacity``: rows the cache is expected to reach (prompt + answer limit); the engine then
-    allocates them at once instead of growing row by row.
-
-    Returns:
-        fp32 logits ``[vocab]`` for the token after the last input position, or with
-        ``every_row`` ``[n, vocab]`` (row i: the token after input i; checking a draft).
-    """
-    fast = engine_for(model, cache)
-    if fast is not None:
-        return fast.forward_rows(cache, token_ids, start, capacity, every_row=every_row)
-    n = token_ids.shape[0]
-    positions = torch.arange(start, start + n, device=token_ids.device)[None]
-    with torch.no_grad():
-        out = model(
-            input_ids=token_ids[None],
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=n if every_row else 1,
-        )
-    return out.logits[0].float() if every_row else out.logits[0, -1].float()
 
 
 def run_sequential(

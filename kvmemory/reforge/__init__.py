@@ -5,7 +5,8 @@ Modules: ``versions`` (adapter digests, anchors θ_ℓ, mixed-version report), `
 ``runtime`` (risk q_ℓ = s_ℓ·d_ℓ, b_t, ablations), ``scheduler`` (budgeted drift scheduler and the
 budget account), ``probe`` (the K/V-probed policy), ``profile`` / ``calibration`` (offline
 sensitivities), ``analysis`` (hybrid executions, tail influence, certificates, horizons),
-``state`` (what a KVSession keeps), ``online`` (test-time-training step applied to live sessions).
+``state`` (what a KVSession keeps). The test-time-training step that updates the adapter and
+maintains every live thread is ``kvmemory.online_adapter`` (above the session and its registry).
 """
 
 from .probe import ProbeCalibration

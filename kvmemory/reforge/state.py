@@ -23,7 +23,7 @@ import torch
 
 from .. import kvcache
 from ..capabilities import cache_unsupported_reason
-from ..executors.sequential import forward_rows
+from ..engine import forward_rows
 from .probe import extend_while_stale, layer_kv, probe_cost, relative_deviation
 from .profile import ReforgeProfile
 from .recovery import LayerRun, decoder_of, embed, overwrite_layers, run_layers, run_rows

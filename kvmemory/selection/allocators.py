@@ -2,7 +2,7 @@
 
 SUR and its four matched controls score text (:data:`ALLOCATORS`); the eight prior-work-derived
 allocators and the privileged clean-state oracle read model signals of the repair in progress
-(:data:`SIGNAL_ALLOCATORS`, each in its own module). All of them spend exactly the allowance B.
+(:data:`SIGNAL_ALLOCATORS`, implemented in :mod:`.adapted`). All of them spend exactly the allowance B.
 """
 
 from __future__ import annotations
@@ -15,19 +15,11 @@ from typing import Callable
 import torch
 
 from ..errors import SelectionError
-from .a3 import a3
+from .adapted import a3, cacheblend, cachecraft, cachetune, infoflow, legolink, oracle, prophetkv, speccache
 from .bm25 import bm25_unit_scores
-from .cacheblend import cacheblend
-from .cachecraft import cachecraft
-from .cachetune import cachetune
-from .infoflow import infoflow
 from .inputs import SelectionInput, validate_input
-from .legolink import legolink
-from .oracle import oracle
-from .prophetkv import prophetkv
 from .relevance import relevance_scores, unit_idf
 from .signals import RepairSignals
-from .speccache import speccache
 from .unit_allocator import admit_units, allocate_units
 from .units import Unit, build_units
 

@@ -32,9 +32,9 @@ import torch
 from kvmemory.executors import EXECUTORS
 from kvmemory.policy import RepairPolicy
 from kvmemory.selection import ALLOCATOR_NAMES
+from kvmemory.testing import tiny_model
 
 from .invariants import check_session, registry_violations, state_violations
-from .tiny import tiny_model
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from kvmemory import kvcache
+from kvmemory.edits import common_prefix_length
 from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import ChatMessage, TemplateError, normalize_messages, render_prompt
 
@@ -92,11 +93,11 @@ def token_violations(session, expected: Sequence[Mapping | ChatMessage] | None =
         return out  # a template without stable spans: only the ids the session rendered can be compared
     if tuple(session.rendered.token_ids) != fresh.token_ids:
         out.append(f"(a) the session's rendering ({len(session.rendered)} tokens) differs from a fresh one "
-                   f"({len(fresh)} tokens) at token {_first_difference(session.rendered.token_ids, fresh.token_ids)}")
+                   f"({len(fresh)} tokens) at token {common_prefix_length(session.rendered.token_ids, fresh.token_ids)}")
     n = len(fresh.token_ids)
     if len(session.token_ids) < n or tuple(session.token_ids[:n]) != fresh.token_ids:
         out.append(f"(a) cached ids differ from the messages' tokenization at token "
-                   f"{_first_difference(session.token_ids, fresh.token_ids)} (cached {len(session.token_ids)}, "
+                   f"{common_prefix_length(session.token_ids, fresh.token_ids)} (cached {len(session.token_ids)}, "
                    f"rendered {n})")
     return out
 
@@ -157,7 +158,7 @@ def _against_fresh_segments(session) -> list[str]:
     have = [(s.key, s.token_start, s.token_end, s.char_start, s.char_end) for s in session.rendered.segments]
     want = [(s.key, s.token_start, s.token_end, s.char_start, s.char_end) for s in fresh.segments]
     if have != want:
-        i = next((k for k, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
+        i = common_prefix_length(have, want)
         return [f"(b) segment {i} is {have[i] if i < len(have) else None} but a fresh rendering gives "
                 f"{want[i] if i < len(want) else None}"]
     return []
@@ -275,7 +276,3 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _keys(items) -> list[str]:
     return [k for _, _, k in items]
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

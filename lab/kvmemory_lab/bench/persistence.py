@@ -120,7 +120,7 @@ def storage_run(args, console) -> dict:
     from langchain_core.messages import SystemMessage, ToolMessage
     from langgraph.checkpoint.sqlite import SqliteSaver
 
-    from kvmemory.threads import export_state
+    from kvmemory.persistence import export_state
 
     from langchain_kvmemory.blockstore import RedisBlockStore
     from langchain_kvmemory.chat_model import ChatKVMemory
@@ -208,7 +208,7 @@ def _time_reprefill(llm, token_ids) -> float:
     import torch
 
     from kvmemory import kvcache
-    from kvmemory.executors.sequential import forward_rows
+    from kvmemory.engine import forward_rows
 
     model = llm.threads.model
     t0 = time.perf_counter()

@@ -178,7 +178,7 @@ def _step(w, sessions, sample, traj, scored: bool) -> None:
     import torch
 
     from kvmemory import kvcache
-    from kvmemory.executors.sequential import forward_rows
+    from kvmemory.engine import forward_rows
     from ..metrics import first_token_kl, token_f1
     from kvmemory.session import KVSession
 

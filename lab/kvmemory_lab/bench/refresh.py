@@ -151,7 +151,7 @@ def shifted_cache(model, n: int, seed: int, device):
         ``(cache, token_ids)``: N rows, LongTensor ``[N]`` on ``device``.
     """
     from kvmemory import kvcache
-    from kvmemory.executors.sequential import forward_rows
+    from kvmemory.engine import forward_rows
     from kvmemory.shift import RotaryShifter
 
     g = torch.Generator().manual_seed(seed + n)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmemory import kvcache
+from kvmemory.edits import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -92,16 +93,6 @@ def with_decode_replay(method_rows: torch.Tensor, reference_rows: torch.Tensor, 
     return torch.cat([method_rows[:first], reference_rows[first:]])
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading tokens two answers share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def answer_fidelity(reference_rows: torch.Tensor, method_rows: torch.Tensor, reference_ids: Sequence[int],
                     method_ids: Sequence[int]) -> AnswerFidelity:
     """Teacher-forced agreement and mean KL over Re-prefill's answer, and the greedy common prefix.
@@ -127,6 +118,6 @@ def answer_fidelity(reference_rows: torch.Tensor, method_rows: torch.Tensor, ref
     return AnswerFidelity(
         tf_agreement=float((top1 == targets).float().mean()),
         tf_kl=float(kl.mean()),
-        common_prefix=common_prefix(reference_ids, method_ids),
+        common_prefix=common_prefix_length(reference_ids, method_ids),
         positions=int(targets.numel()),
     )

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from kvmemory import kvcache
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.session import Generation, KVSession
 
 

@@ -231,7 +231,7 @@ SIZES = {
 
 
 def _tiny():
-    from ..tiny import tiny_loaded
+    from kvmemory.testing import tiny_loaded
 
     return tiny_loaded("concurrency-tiny-llama")
 

@@ -149,7 +149,7 @@ def _load(kind: str):
 
     if kind == "smollm2":
         return load_model()
-    from ..tiny import tiny_loaded
+    from kvmemory.testing import tiny_loaded
 
     return tiny_loaded(f"crash-{kind}", seed=TINY_MODELS.index(kind))
 

@@ -48,7 +48,7 @@ def _wrap(inner):
     from langchain_kvmemory.checkpointer import KVCheckpointSaver
 
     if not _registry_parts:
-        from kvmemory_lab.tiny import tiny_loaded
+        from kvmemory.testing import tiny_loaded
 
         loaded = tiny_loaded("upstream-tiny")
         _registry_parts.append((loaded.model, loaded.tokenizer))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmemory import kvcache
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.reforge.recovery import embed, run_layers
 from kvmemory.reforge.versions import AdapterState
 

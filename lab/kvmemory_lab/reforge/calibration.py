@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.reforge.profile import ConditionResult, ProfileKey, ReforgeProfile
 
 from ..metrics import first_token_kl, token_f1

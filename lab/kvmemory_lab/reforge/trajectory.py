@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmemory import kvcache
-from kvmemory.executors.sequential import forward_rows
+from kvmemory.engine import forward_rows
 from kvmemory.reforge.probe import ProbeCalibration, extend_while_stale, probe_cost
 from kvmemory.reforge.profile import ReforgeProfile
 from kvmemory.reforge.recovery import decoder_of, run_layers

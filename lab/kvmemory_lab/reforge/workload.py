@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvmemory.reforge.online import answer_supervised_ids, lora_update_step
+from kvmemory.online_adapter import answer_supervised_ids, lora_update_step
 
 from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT
 

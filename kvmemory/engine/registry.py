@@ -1,0 +1,111 @@
+"""Which engine computes a model's rows: the engine attached to a loaded model (every session on
+it shares it), what it reports, and the verb every caller appends rows with."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
+
+import torch
+
+from ..errors import EngineUnsupportedError, InputError
+from . import graphs
+from .build import build
+from .interface import Engine, EngineStatus
+from .llama import QuantizedLlama
+from .reference import TransformersEngine
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("auto", "q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16", "cuda_graphs", "transformers")
+BLOCK_ENGINES = ("q4_1", "q4_1_int8", "q4_1_bf16", "q4_1_int8_bf16")  # the engines on the GGUF blocks (asked for by name: failures raise)
+
+_attached: "weakref.WeakKeyDictionary[torch.nn.Module, QuantizedLlama | graphs.GraphDecoder]" = weakref.WeakKeyDictionary()
+_refused: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def attach(model, gguf: str | Path | None, engine: str = "auto") -> EngineStatus:
+    """Run ``model``'s row computations on the quantized engine built from ``gguf`` (or, with
+    ``engine="cuda_graphs"``, on captured CUDA graphs; ``gguf`` is then not read).
+
+    Args:
+        model: a transformers ``LlamaForCausalLM`` in fp32 on CPU, whose linear weights are the
+            dequantized Q4_1 blocks of ``gguf`` and whose head is its Q8_0 embedding (the embedded
+            SmolLM2 is). Checked weight by weight (~1 s for 135 M parameters).
+        engine: ``"auto"`` (use ``"q4_1"`` when possible, else transformers, with the reason in
+            :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"q4_1_int8"`` (the same
+            with int8 activations on the block path; raise when it cannot run, e.g. no AVX-512
+            VNNI), ``"q4_1_bf16"`` (bf16 linears for long inputs), ``"q4_1_int8_bf16"`` (both),
+            ``"cuda_graphs"`` (a model on CUDA; raise when it cannot run), ``"transformers"`` (detach).
+
+    Returns:
+        EngineStatus of the model after the call.
+
+    Raises:
+        InputError: unknown ``engine``.
+        EngineUnsupportedError: an engine asked for by name (``"q4_1"``, ``"q4_1_int8"``,
+            ``"cuda_graphs"``, ...) cannot run this model / file / machine; the model keeps the
+            engine it had.
+    """
+    if engine not in ENGINES:
+        raise InputError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
+    if engine == "transformers":
+        _attached.pop(model, None)
+        _refused.pop(model, None)
+        return status(model)
+    if engine == "cuda_graphs":
+        reason = graphs.unsupported_reason(model)
+        if reason:  # the engine the model has stays
+            raise EngineUnsupportedError(f"engine 'cuda_graphs': {reason} (the model keeps engine {status(model).name!r})")
+        built = graphs.GraphDecoder(model)
+    else:
+        try:
+            built = build(model, Path(gguf), int8_activations="int8" in engine, bf16_prefill=engine.endswith("bf16"))
+        except EngineUnsupportedError as exc:
+            if engine in BLOCK_ENGINES:  # asked for by name: raise, the engine the model has stays
+                raise
+            _attached.pop(model, None)
+            _refused[model] = str(exc)
+            log.info("kvmemory: the quantized engine does not run this model: %s", exc)
+            return status(model)
+    _attached[model] = built
+    _refused.pop(model, None)
+    return status(model)
+
+
+def status(model) -> EngineStatus:
+    """The engine that computes ``model``'s rows now (see :class:`EngineStatus`)."""
+    engine = _attached.get(model)
+    if engine is None:
+        return EngineStatus("transformers", _refused.get(model))
+    reason = engine.unsupported_reason()
+    return EngineStatus("transformers", reason) if reason else EngineStatus(engine.kind)
+
+
+def engine_for(model, cache) -> Engine:
+    """The engine that computes rows of ``cache`` for ``model``: the attached one when it can
+    (:meth:`Engine.unsupported_reason` is None for this cache), else the model's own forward
+    (:class:`~kvmemory.engine.reference.TransformersEngine`)."""
+    engine = _attached.get(model)
+    if engine is None or engine.unsupported_reason(cache):
+        return TransformersEngine(model)
+    return engine
+
+
+def forward_rows(
+    model, cache, token_ids: torch.Tensor, start: int, *, capacity: int | None = None, every_row: bool = False,
+) -> torch.Tensor:
+    """Forward ``token_ids`` (LongTensor ``[n]``) at positions ``[start, start+n)`` against
+    ``cache``, which must hold exactly ``start`` rows; appends n rows to it.
+
+    Runs on the model's attached engine when it can compute these rows (a plain cache, no
+    adapter, unmodified weights), else on the model's own forward (:func:`engine_for`).
+    ``capacity``: rows the cache is expected to reach (prompt + answer limit); the engine then
+    allocates them at once instead of growing row by row.
+
+    Returns:
+        fp32 logits ``[vocab]`` for the token after the last input position, or with
+        ``every_row`` ``[n, vocab]`` (row i: the token after input i; checking a draft).
+    """
+    return engine_for(model, cache).forward_rows(cache, token_ids, start, capacity, every_row=every_row)
