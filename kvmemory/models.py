@@ -203,7 +203,7 @@ def load_model(
         dtype: ``"fp32"`` (default on CPU) or ``"bf16"``.
         engine: what computes cache rows (:mod:`kvmemory.engine`): ``"auto"`` (default) runs the
             embedded fp32 model on its GGUF blocks (same weights, ~1/5 of the bytes per decoded
-            token) and anything else on transformers; ``"q4_1"`` insists (error if it cannot);
+            token) where the CPU has AVX2 or AVX-512, and anything else on transformers; ``"q4_1"`` insists (error if it cannot);
             ``"q4_1_int8"`` is that engine with int8 activations on decoded tokens and short
             appends (faster, lossy like llama.cpp; needs AVX-512 VNNI; error if it cannot);
             ``"q4_1_bf16"`` adds bf16 linears for prefills to ``"q4_1"`` (faster first call, lossy

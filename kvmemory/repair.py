@@ -101,13 +101,13 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
 
-def repair(ctx: RepairJob) -> RepairResult:
-    """Repair ``ctx.cache`` (rows for ``ctx.cached_ids``; modified or replaced) into the cache of
-    ``ctx.new``.
+def repair(job: RepairJob) -> RepairResult:
+    """Repair ``job.cache`` (rows for ``job.cached_ids``; modified or replaced) into the cache of
+    ``job.new``.
 
     A request that only appends to the cached rows (``plan.extends``) prefills just its new
     tokens under every operator but a forced Re-prefill (``scope="always"``); an identical one
-    forwards nothing when ``ctx.last_logits`` are known. Stale rows the plan keeps (``[g, k)``)
+    forwards nothing when ``job.last_logits`` are known. Stale rows the plan keeps (``[g, k)``)
     stay stale and are not refreshed again. ``reprefill`` rebuilds the whole prompt on an edit
     (a message deleted, replaced or inserted) or when rows are stale; on an exact cache, a
     request that only appends messages keeps the common token prefix and computes the rest
@@ -129,78 +129,78 @@ def repair(ctx: RepairJob) -> RepairResult:
             was made for another prompt.
         ValueError: from the executor if the plan does not cover every position (a bug).
     """
-    _check_inputs(ctx)
-    done = _run_branch(ctx)
-    return RepairResult(done.cache, done.next_logits, _report(ctx, done), done.exact_rows)
+    _check_inputs(job)
+    done = _run_branch(job)
+    return RepairResult(done.cache, done.next_logits, _report(job, done), done.exact_rows)
 
 
-def _check_inputs(ctx: RepairJob) -> None:
-    rows = kvcache.cache_length(ctx.cache)
-    if rows != len(ctx.cached_ids):
+def _check_inputs(job: RepairJob) -> None:
+    rows = kvcache.cache_length(job.cache)
+    if rows != len(job.cached_ids):
         raise InputError(
-            f"the cache holds {rows} rows but cached_ids has {len(ctx.cached_ids)} ids: pass the ids the rows were "
+            f"the cache holds {rows} rows but cached_ids has {len(job.cached_ids)} ids: pass the ids the rows were "
             "computed for (KVSession.token_ids)"
         )
-    if ctx.plan.new_length != len(ctx.new):
+    if job.plan.new_length != len(job.new):
         raise InputError(
-            f"the plan was made for a {ctx.plan.new_length}-token prompt but the new prompt has {len(ctx.new)}: "
+            f"the plan was made for a {job.plan.new_length}-token prompt but the new prompt has {len(job.new)}: "
             "build it with plan_edits(cached_ids, old, new)"
         )
 
 
-def _run_branch(ctx: RepairJob) -> Repaired:
+def _run_branch(job: RepairJob) -> Repaired:
     """The branch the policy, the plan and the capability gates call for (see :func:`repair`)."""
-    plan, policy, held = ctx.plan, ctx.policy, len(ctx.cached_ids)
+    plan, policy, held = job.plan, job.policy, len(job.cached_ids)
     # only appended rows (or, for an identical request, known last-row logits): no cached row is
     # dropped, moved or rewritten, so no capability gate applies
-    extends = plan.extends(held) and (len(ctx.new) > held or ctx.last_logits is not None)
-    cache_gate = cache_unsupported_reason(ctx.cache)
-    gate = cache_gate or ctx.capabilities.row_reuse_reason
+    extends = plan.extends(held) and (len(job.new) > held or job.last_logits is not None)
+    cache_gate = cache_unsupported_reason(job.cache)
+    gate = cache_gate or job.capabilities.row_reuse_reason
     # Re-prefill names what happens on an edit; it also rebuilds a cache whose rows are stale
     exact_without_edit = not (plan.edits_history or plan.stale_tokens or plan.kept_stale_tokens)
     if policy.forces_reprefill or (policy.operator == "reprefill" and not exact_without_edit):
-        return _reprefill(ctx)
+        return _reprefill(job)
     if extends:
-        return _extend(ctx)
+        return _extend(job)
     if not gate:
-        return _budgeted(ctx)
-    if not cache_gate and ctx.capabilities.replay_exact(held):
-        done = _replay(ctx)  # every row it attends to is still held
+        return _budgeted(job)
+    if not cache_gate and job.capabilities.replay_exact(held):
+        done = _replay(job)  # every row it attends to is still held
         return done.updated(fallback=f"{gate} [this edit: Replay from token {done.measures['spans'][0][0]}]")
-    return _reprefill(ctx).updated(fallback=f"{gate} [this edit: Re-prefill]")
+    return _reprefill(job).updated(fallback=f"{gate} [this edit: Re-prefill]")
 
 
-def _budgeted(ctx: RepairJob) -> Repaired:
+def _budgeted(job: RepairJob) -> Repaired:
     """Shift, then refresh B of the S stale suffix rows (B = S: Replay; ``budget="auto"``: in
     rounds). Keys that cannot be rotated make a move replay the suffix (reported)."""
-    budget = ctx.policy.effective_budget
-    moved = any(run.new_start != run.old_start for run in ctx.plan.reuse)
-    shift_gate = ctx.capabilities.shift_reason if moved and budget < 100 else None
-    B = allowance(ctx.plan.stale_tokens, 100.0 if shift_gate else budget)
-    if B == ctx.plan.stale_tokens:
-        return _replay(ctx).updated(fallback=shift_gate)
-    if ctx.policy.adaptive:
-        return _adaptive_refresh(ctx)
-    return _sparse_refresh(ctx, B)
+    budget = job.policy.effective_budget
+    moved = any(run.new_start != run.old_start for run in job.plan.reuse)
+    shift_gate = job.capabilities.shift_reason if moved and budget < 100 else None
+    B = allowance(job.plan.stale_tokens, 100.0 if shift_gate else budget)
+    if B == job.plan.stale_tokens:
+        return _replay(job).updated(fallback=shift_gate)
+    if job.policy.adaptive:
+        return _adaptive_refresh(job)
+    return _sparse_refresh(job, B)
 
 
-def _report(ctx: RepairJob, done: Repaired) -> RepairReport:
+def _report(job: RepairJob, done: Repaired) -> RepairReport:
     """The report of one repair: the plan's and the policy's facts, then the branch's measures."""
-    policy, plan = ctx.policy, ctx.plan
+    policy, plan = job.policy, job.plan
     measures = dict(done.measures)
     fallback = measures.pop("fallback", None)
     report = RepairReport(**{
         "operator": policy.operator,
         "budget": policy.effective_budget if policy.operator in ("refresh", "shift", "replay") else None,
         "allocator": policy.allocator if policy.operator == "refresh" else None,
-        "prompt_tokens": len(ctx.new),
+        "prompt_tokens": len(job.new),
         "reused_tokens": 0,
         "recomputed_tokens": 0,
         "stale_tokens": plan.stale_tokens,
         "kept_stale_tokens": plan.kept_stale_tokens,
         "edits": {k: plan.count(k) for k in ("keep", "delete", "replace", "insert", "append") if plan.count(k)},
         "widened": list(plan.widened),
-        "capability_notes": list(ctx.capabilities.notes),
+        "capability_notes": list(job.capabilities.notes),
         "intervals": len(measures.get("spans", ())),
         **measures,
     })
@@ -208,65 +208,64 @@ def _report(ctx: RepairJob, done: Repaired) -> RepairReport:
     return report
 
 
-def _reprefill(ctx: RepairJob) -> Repaired:
+def _reprefill(job: RepairJob) -> Repaired:
     t0 = time.perf_counter()
-    model, ids = ctx.model, ctx.ids
-    cache = ctx.new_cache() if ctx.new_cache is not None else kvcache.new_cache(model.config)
+    model, ids = job.model, job.ids
+    cache = job.new_cache() if job.new_cache is not None else kvcache.new_cache(model.config)
     out = run_sequential(model, cache, ids, [(0, ids.shape[0])])
     return Repaired(cache, out.next_logits, ids.shape[0], dict(
         recomputed_tokens=ids.shape[0], spans=[(0, ids.shape[0])], executor="sequential", refresh_ms=_ms(t0)))
 
 
-def _extend(ctx: RepairJob) -> Repaired:
+def _extend(job: RepairJob) -> Repaired:
     """Keep every cached row; prefill only the new tokens (none for an identical request, whose
-    logits ``ctx.last_logits`` are already known). Rows appended after stale rows attend to them,
+    logits ``job.last_logits`` are already known). Rows appended after stale rows attend to them,
     so they are exact only when the whole cache was."""
     t0 = time.perf_counter()
-    cache, ids, plan = ctx.cache, ctx.ids, ctx.plan
+    cache, ids, plan = job.cache, job.ids, job.plan
     held, n = kvcache.cache_length(cache), ids.shape[0]
     spans = [(held, n)] if held < n else []
-    logits = run_sequential(ctx.model, cache, ids, spans).next_logits if spans else ctx.last_logits
+    logits = run_sequential(job.model, cache, ids, spans).next_logits if spans else job.last_logits
     return Repaired(cache, logits, n if plan.exact_prefix == held else plan.exact_prefix, dict(
         reused_tokens=held, recomputed_tokens=n - held, spans=spans, executor="sequential" if spans else None,
         refresh_ms=_ms(t0)))
 
 
-def _replay(ctx: RepairJob) -> Repaired:
+def _replay(job: RepairJob) -> Repaired:
     """Keep the kept prefix, recompute everything after it (at least the last token, for logits).
     The result is exact unless stale rows were kept (``plan.kept_prefix`` > ``exact_prefix``)."""
     t0 = time.perf_counter()
-    cache, ids, plan = ctx.cache, ctx.ids, ctx.plan
+    cache, ids, plan = job.cache, job.ids, job.plan
     start = min(plan.kept_prefix, ids.shape[0] - 1)
     kvcache.crop_to(cache, start)
-    out = run_sequential(ctx.model, cache, ids, [(start, ids.shape[0])])
+    out = run_sequential(job.model, cache, ids, [(start, ids.shape[0])])
     exact = ids.shape[0] if start <= plan.exact_prefix else plan.exact_prefix
     return Repaired(cache, out.next_logits, exact, dict(
         reused_tokens=start, recomputed_tokens=ids.shape[0] - start, refreshed_tokens=plan.stale_tokens,
         spans=[(start, ids.shape[0])], executor="sequential", refresh_ms=_ms(t0)))
 
 
-def _sparse_refresh(ctx: RepairJob, B: int) -> Repaired:
+def _sparse_refresh(job: RepairJob, B: int) -> Repaired:
     t0 = time.perf_counter()
-    cache, ids, plan, policy = ctx.cache, ctx.ids, ctx.plan, ctx.policy
-    signals = _signals(ctx)
-    selected = _select(ctx, B, signals)
+    ids, plan, policy = job.ids, job.plan, job.policy
+    signals = _signals(job)
+    selected = _select(job, B, signals)
     probe_ms = signals.replayed_ms if signals is not None else 0.0
     selection_ms = _ms(t0) + probe_ms
 
     intervals = to_intervals(sorted(set(plan.new_positions) | set(selected)))
     if not intervals or intervals[-1][1] != ids.shape[0]:
         intervals = to_intervals(sorted(set(plan.new_positions) | set(selected) | {ids.shape[0] - 1}))
-    choice = choose_executor(policy.executor, len(intervals), ctx.model)
+    choice = choose_executor(policy.executor, len(intervals), job.model)
 
     t1 = time.perf_counter()
     # packed and direct write rows in place: give them all N rows at once (placeholders included)
     rows = plan.source_rows(ids.shape[0] if choice.name != "sequential" else None)
-    shifted = engine_for(ctx.model, cache).gather_rows(cache, rows)
-    shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
+    shifted, shifted_tokens = _shift(job, rows)
     shift_ms = _ms(t1)
 
     t2 = time.perf_counter()
-    out = run_refresh(ctx.model, shifted, ids, intervals, choice, policy.backend)
+    out = run_refresh(job.model, shifted, ids, intervals, choice, policy.backend)
     return Repaired(shifted, out.next_logits, plan.exact_prefix, dict(
         reused_tokens=ids.shape[0] - out.forwarded_tokens, recomputed_tokens=out.forwarded_tokens, refreshed_tokens=B,
         shifted_tokens=shifted_tokens, spans=intervals, executor=executor_label(choice, policy.backend),
@@ -274,11 +273,11 @@ def _sparse_refresh(ctx: RepairJob, B: int) -> Repaired:
         replayed_probe_ms=probe_ms))
 
 
-def _adaptive_refresh(ctx: RepairJob) -> Repaired:
+def _adaptive_refresh(job: RepairJob) -> Repaired:
     """``budget="auto"``: Shift, then refresh in rounds until the convergence signal settles
     (see :mod:`kvmemory.adaptive`); the report gives the budget spent and every round."""
-    cache, ids, plan, policy = ctx.cache, ctx.ids, ctx.plan, ctx.policy
-    signals = _signals(ctx)
+    ids, plan, policy = job.ids, job.plan, job.policy
+    signals = _signals(job)
     selections: dict[int, list[int]] = {}
     selecting_ms = 0.0  # summed over the rounds' selections
 
@@ -286,19 +285,18 @@ def _adaptive_refresh(ctx: RepairJob) -> Repaired:
         nonlocal selecting_ms
         t = time.perf_counter()
         if B not in selections:
-            selections[B] = _select(ctx, B, signals)
+            selections[B] = _select(job, B, signals)
         selecting_ms += _ms(t)
         return selections[B]
 
     t1 = time.perf_counter()
     rows = plan.source_rows(ids.shape[0])
-    shifted = engine_for(ctx.model, cache).gather_rows(cache, rows)
-    shifted_tokens = _rotate_moved_keys(ctx.shifter, shifted, rows)
+    shifted, shifted_tokens = _shift(job, rows)
     shift_ms = _ms(t1)
     S = plan.stale_tokens
     allowances = adaptive.schedule(S, policy.start, policy.max_budget)  # eq. 3 on S, as the fixed budget
     t2 = time.perf_counter()
-    out = adaptive.refresh_in_rounds(ctx.model, shifted, ids, list(plan.new_positions), allowances, select_for,
+    out = adaptive.refresh_in_rounds(job.model, shifted, ids, list(plan.new_positions), allowances, select_for,
                                      signal=policy.signal, tolerance=policy.tolerance, executor=policy.executor,
                                      backend=policy.backend)
     rounds_ms = _ms(t2) - selecting_ms  # rounds, without their selections
@@ -315,15 +313,15 @@ def _adaptive_refresh(ctx: RepairJob) -> Repaired:
         selection_ms=selecting_ms + probe_ms, shift_ms=shift_ms, refresh_ms=rounds_ms, replayed_probe_ms=probe_ms,
         budget=spent, adaptive=summary))
     if out.stopped_by == "cap" and policy.on_cap == "replay":
-        return _replay_after_rounds(ctx, rounds)
+        return _replay_after_rounds(job, rounds)
     return rounds
 
 
-def _replay_after_rounds(ctx: RepairJob, rounds: Repaired) -> Repaired:
+def _replay_after_rounds(job: RepairJob, rounds: Repaired) -> Repaired:
     """An adaptive refresh that did not settle within its cap: exact Replay of the suffix from
     the untouched cache. The rounds' Shift, selections, forwarded rows and time stay counted."""
-    policy, done = ctx.policy, rounds.measures
-    replayed = _replay(ctx)
+    policy, done = job.policy, rounds.measures
+    replayed = _replay(job)
     kept = {k: done[k] for k in ("shifted_tokens", "executor_fallback", "selection_ms", "shift_ms", "replayed_probe_ms")}
     return replayed.updated(
         **kept, recomputed_tokens=replayed.measures["recomputed_tokens"] + done["recomputed_tokens"],
@@ -333,29 +331,26 @@ def _replay_after_rounds(ctx: RepairJob, rounds: Repaired) -> Repaired:
                   f"max_budget={policy.max_budget:g} %: Replay of the suffix"))
 
 
-def _signals(ctx: RepairJob) -> RepairSignals | None:
+def _signals(job: RepairJob) -> RepairSignals | None:
     """Model probes for the signal allocators (Appendix 7.4 Table 1); None for text allocators."""
-    cache, plan = ctx.cache, ctx.plan
-    if ctx.policy.allocator not in SIGNAL_ALLOCATORS or not plan.stale_tokens:
+    cache, plan = job.cache, job.plan
+    if job.policy.allocator not in SIGNAL_ALLOCATORS or not plan.stale_tokens:
         return None
 
     def shift_cache() -> DynamicCache:
-        rows = plan.source_rows()
-        shifted = engine_for(ctx.model, cache).gather_rows(cache, rows)
-        _rotate_moved_keys(ctx.shifter, shifted, rows)
-        return shifted
+        return _shift(job, plan.source_rows())[0]
 
     # rows before kept_prefix (exact, or stale and already paid for) are context shared by both prompts
     return RepairSignals(
-        model=ctx.model, token_ids=ctx.new.token_ids, eligible=_eligible(plan), old_ids=ctx.cached_ids,
+        model=job.model, token_ids=job.new.token_ids, eligible=_eligible(plan), old_ids=job.cached_ids,
         dirty_cache=cache, reuse=plan.reuse, exact_prefix=plan.kept_prefix, make_shift_cache=shift_cache,
-        shifter=ctx.shifter,
+        shifter=job.shifter,
     )
 
 
-def _select(ctx: RepairJob, B: int, signals: RepairSignals | None) -> list[int]:
-    new, policy = ctx.new, ctx.policy
-    eligible = _eligible(ctx.plan)
+def _select(job: RepairJob, B: int, signals: RepairSignals | None) -> list[int]:
+    new, policy = job.new, job.policy
+    eligible = _eligible(job.plan)
     B = min(B, len(eligible))
     if B == 0:
         return []
@@ -368,10 +363,10 @@ def _select(ctx: RepairJob, B: int, signals: RepairSignals | None) -> list[int]:
         offsets=new.offsets,
         messages=spans,
         eligible=eligible,
-        query_ids=ctx.query_ids,
-        query_text=ctx.query_text,
+        query_ids=job.query_ids,
+        query_text=job.query_text,
     )
-    embedding = ctx.model.get_input_embeddings().weight
+    embedding = job.model.get_input_embeddings().weight
     options = SelectionOptions(relevance=policy.relevance, ties=policy.ties, tail_tokens=policy.tail_tokens)
     return select(policy.allocator, inp, B, embedding=embedding, seed=policy.seed, signals=signals, options=options)
 
@@ -383,6 +378,14 @@ def _eligible(plan: EditPlan) -> list[int]:
     (ProphetKV, InfoFlow, A3) an empty query to forward, and cost the others a slot of B."""
     last = plan.new_length - 1
     return [p for p in plan.suffix_positions if p != last]
+
+
+def _shift(job: RepairJob, rows: torch.Tensor) -> tuple[DynamicCache, int]:
+    """Shift (eq. 2) as a new cache: row p copies the live cache's row ``rows[p]`` (LongTensor
+    ``[n]``, -1 = a placeholder to recompute), gathered by the engine (into its storage where it
+    has one), and the keys of moved rows are rotated. Returns the cache and how many rows moved."""
+    shifted = engine_for(job.model, job.cache).gather_rows(job.cache, rows)
+    return shifted, _rotate_moved_keys(job.shifter, shifted, rows)
 
 
 def _rotate_moved_keys(shifter: RotaryShifter | None, cache: DynamicCache, rows: torch.Tensor) -> int:

@@ -125,7 +125,7 @@ def test_greedy_answers_equal_the_transformers_engine(real):
     try:
         slow = KVSession(real.model, real.tokenizer)
         report = slow.prepare(messages)
-        assert report.engine == {"name": "transformers", "reason": None}
+        assert report.engine == {"name": "transformers", "reason": None, "isa": None}
         assert slow.generate(24).token_ids == fast_answer
     finally:
         engine.attach(real.model, embedded_gguf_path(), "q4_1")

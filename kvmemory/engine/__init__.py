@@ -33,10 +33,10 @@ instead (:func:`engine_for`), and :func:`status` says which and why.
 from __future__ import annotations
 
 from .interface import BlockLinears, Engine, EngineStatus, ForwardResult
-from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, load_gguf_blocks
+from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, kernel_isa, load_gguf_blocks
 from .registry import BLOCK_ENGINES, ENGINES, attach, engine_for, forward_rows, status
 
 __all__ = [
     "BLOCK_ENGINES", "ENGINES", "BlockLinears", "Engine", "EngineStatus", "ForwardResult", "KernelUnavailableError",
-    "Q4Linear", "Q8Linear", "attach", "engine_for", "forward_rows", "kernel", "load_gguf_blocks", "status",
+    "Q4Linear", "Q8Linear", "attach", "engine_for", "forward_rows", "kernel", "kernel_isa", "load_gguf_blocks", "status",
 ]

@@ -17,7 +17,7 @@ wrong cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
@@ -25,14 +25,17 @@ import torch
 
 @dataclass(frozen=True)
 class EngineStatus:
-    """Which engine computes a model's rows: ``name`` (an engine of ``ENGINES`` other than ``"auto"``) and,
-    for transformers, ``reason`` why the fast engine does not run (None when it was not asked)."""
+    """Which engine computes a model's rows: ``name`` (an engine of ``ENGINES`` other than ``"auto"``),
+    for transformers ``reason`` why the fast engine does not run (None when it was not asked), and
+    for the block engine the ``isa`` its kernel was built for (``"avx512"``, ``"avx2"``,
+    ``"portable"``; a detail of the name, not compared)."""
 
     name: str
     reason: str | None = None
+    isa: str | None = field(default=None, compare=False)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "reason": self.reason}
+        return {"name": self.name, "reason": self.reason, "isa": self.isa}
 
 
 @dataclass

@@ -73,6 +73,9 @@ class QuantizedLlama(BufferedEngine):
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.heads
         self.scale = layers[0].module.self_attn.scaling
         super().__init__(model, CacheBuffers(self.kv_heads, self.head_dim, torch.float32, torch.device("cpu")))
+        # one kernel module (one ISA, see kernel_isa) for every product of this engine
+        self.lib = kernel()
+        self.isa = self.lib.isa()
         self.decoder = self._decoder()
 
     def _decoder(self):
@@ -84,7 +87,7 @@ class QuantizedLlama(BufferedEngine):
         norms_in = [l.module.input_layernorm.weight.detach() for l in self.layers]
         norms_post = [l.module.post_attention_layernorm.weight.detach() for l in self.layers]
         eps = self.layers[0].module.input_layernorm.variance_epsilon
-        return kernel().LlamaDecoder(
+        return self.lib.LlamaDecoder(
             triples("qkv"), triples("o"), triples("gate_up"), triples("down"), norms_in, norms_post,
             self.model.model.norm.weight.detach(), self.head.codes, self.head.scales,
             self.heads, self.kv_heads, self.head_dim, float(eps), float(self.scale), self.int8,
@@ -107,7 +110,7 @@ class QuantizedLlama(BufferedEngine):
             return None
 
         def bound(blocks):
-            return lambda x: blocks(x, int8=self.int8)
+            return lambda x: blocks(x, int8=self.int8, lib=self.lib)
 
         layers = [(bound(l.qkv), bound(l.o), bound(l.gate_up), bound(l.down)) for l in self.layers]
         return BlockLinears(layers, bound(self.head))
@@ -143,7 +146,7 @@ class QuantizedLlama(BufferedEngine):
             hidden = self._layer(layer, hidden, storage.keys[i], storage.values[i], start, cos, sin, mask, bf16)
         self.buffers.publish(cache, storage, start + n)
         rows = hidden if every_row else hidden[-1:]
-        logits = self.head(body.norm(rows), int8=self.int8)
+        logits = self.head(body.norm(rows), int8=self.int8, lib=self.lib)
         return logits if every_row else logits[0]
 
     @torch.no_grad()

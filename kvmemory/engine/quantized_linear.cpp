@@ -18,10 +18,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
+// SIMD paths: AVX-512 (F/BW/VL/DQ, + VNNI for int8 activations), else AVX2 + FMA, else portable
+// scalar code. Which one a build gets is set by the flags kvmemory/engine/quantized.py compiles with.
 #if defined(__AVX512F__)
+#define KVMEMORY_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVMEMORY_AVX2 1
+#endif
+#if defined(KVMEMORY_AVX512) || defined(KVMEMORY_AVX2)
+#define KVMEMORY_SIMD 1
 #include <immintrin.h>
 #endif
 
@@ -87,8 +96,26 @@ inline float q4_row_dot(const uint8_t* q, const float* d, const float* m, const 
   return total;
 }
 
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+#elif defined(KVMEMORY_AVX2)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Part c (0..3) of a Q4_1 block's 32 codes as 8 floats: c = 0, 1 the low nibbles of bytes 0-7,
+// 8-15 (codes 0-15), c = 2, 3 their high nibbles (codes 16-31); it meets x[8c .. 8c + 8).
+inline __m256 q4_codes8(const uint8_t* block, int c) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + (c & 1) * 8)));
+  return _mm256_cvtepi32_ps(c < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4));
+}
+
+// 8 signed Q8_0 codes as floats
+inline __m256 q8_codes8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
 #endif
 
 // One activation row (decode): four output rows at a time share the activation loads and keep
@@ -97,7 +124,7 @@ void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float
                     const float* xs, float* y, int64_t row_begin, int64_t row_end) {
   const int64_t nb = K / kBlock;
   int64_t o = row_begin;
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
   const __m512i low4 = _mm512_set1_epi32(0xF);
   for (; o + 4 <= row_end; o += 4) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -125,11 +152,40 @@ void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float
       y[o + r] = hsum(acc[r]) + mins;
     }
   }
+#elif defined(KVMEMORY_AVX2)
+  for (; o + 4 <= row_end; o += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * kBlock;
+      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                   x3 = _mm256_loadu_ps(xb + 24);
+      if ((b & 3) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const int64_t row = o + r;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ((row + kPrefetchRows) * nb + b) * 16), _MM_HINT_T0);
+        const uint8_t* q = codes + (row * nb + b) * 16;
+        __m256 t = _mm256_mul_ps(q4_codes8(q, 0), x0);
+        t = _mm256_fmadd_ps(q4_codes8(q, 1), x1, t);
+        t = _mm256_fmadd_ps(q4_codes8(q, 2), x2, t);
+        t = _mm256_fmadd_ps(q4_codes8(q, 3), x3, t);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[row * nb + b]), t, acc[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      const float* mr = m + (o + r) * nb;
+      float mins = 0.f;
+      for (int64_t b = 0; b < nb; ++b) mins += mr[b] * xs[b];
+      y[o + r] = hsum(acc[r]) + mins;
+    }
+  }
 #endif
   for (; o < row_end; ++o) y[o] = q4_row_dot(codes + o * nb * 16, d + o * nb, m + o * nb, x, xs, nb);
 }
 
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
 // R activation rows (1 <= R <= 8) against P output rows from o (P = 2 share the activation loads):
 // each block is dequantized once (w = d * q + m, one rounding) and multiplied with every row.
 // Few rows keep separate accumulators for the low and high halves (2PR independent FMA chains);
@@ -174,13 +230,54 @@ void q4_rows_r(const float* x, int64_t K, const uint8_t* codes, const float* d, 
   for (; o + 2 <= row_end; o += 2) q4_pair<R, 2>(x, K, codes, d, m, y, ldy, o);
   if (o < row_end) q4_pair<R, 1>(x, K, codes, d, m, y, ldy, o);
 }
+#elif defined(KVMEMORY_AVX2)
+// q4_pair above in 256-bit vectors, with 16 registers: each block is dequantized 8 weights at a
+// time (part c, see q4_codes8) for P output rows and multiplied with the matching 8 values of
+// every activation row. Accumulators: P * R * A; A = 2 (alternating parts) only while that leaves
+// registers for the P weight vectors and their scale / min broadcasts.
+template <int R, int P>
+void q4_pair(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m, float* y,
+             int64_t ldy, int64_t o) {
+  constexpr int A = P * R <= 4 ? 2 : 1;
+  const int64_t nb = K / kBlock;
+  __m256 acc[P][R][A];
+  for (int r = 0; r < P; ++r)
+    for (int i = 0; i < R; ++i)
+      for (int a = 0; a < A; ++a) acc[r][i][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < 4; ++c) {
+      __m256 w[P];
+      for (int r = 0; r < P; ++r) {
+        const int64_t at = (o + r) * nb + b;
+        w[r] = _mm256_fmadd_ps(q4_codes8(codes + at * 16, c), _mm256_set1_ps(d[at]), _mm256_set1_ps(m[at]));
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m256 xi = _mm256_loadu_ps(x + i * K + b * kBlock + c * 8);
+        for (int r = 0; r < P; ++r) acc[r][i][c % A] = _mm256_fmadd_ps(w[r], xi, acc[r][i][c % A]);
+      }
+    }
+  }
+  for (int r = 0; r < P; ++r)
+    for (int i = 0; i < R; ++i)
+      y[i * ldy + o + r] = hsum(A == 2 ? _mm256_add_ps(acc[r][i][0], acc[r][i][A - 1]) : acc[r][i][0]);
+}
+
+// Two output rows per pass up to 4 activation rows (their accumulators fit); one beyond.
+template <int R>
+void q4_rows_r(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m, float* y,
+               int64_t ldy, int64_t row_begin, int64_t row_end) {
+  constexpr int P = R <= 4 ? 2 : 1;
+  int64_t o = row_begin;
+  for (; o + P <= row_end; o += P) q4_pair<R, P>(x, K, codes, d, m, y, ldy, o);
+  if (o < row_end) q4_pair<R, 1>(x, K, codes, d, m, y, ldy, o);
+}
 #endif
 
 // Several activation rows (M >= 2), up to 8 at a time.
 void q4_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* d, const float* m,
              const float* xs, float* y, int64_t N, int64_t row_begin, int64_t row_end) {
   const int64_t nb = K / kBlock;
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_SIMD)
   for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
     const float* xm = x + m0 * K;
     float* ym = y + m0 * N;
@@ -201,7 +298,7 @@ void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float*
                     int64_t row_begin, int64_t row_end) {
   const int64_t nb = K / kBlock;
   int64_t o = row_begin;
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
   for (; o + 4 <= row_end; o += 4) {
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t b = 0; b < nb; ++b) {
@@ -216,6 +313,26 @@ void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float*
         __m512 t = _mm512_mul_ps(a, x0);
         t = _mm512_fmadd_ps(c, x1, t);
         acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[(o + r) * nb + b]), t, acc[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
+  }
+#elif defined(KVMEMORY_AVX2)
+  for (; o + 4 <= row_end; o += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + b * kBlock;
+      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
+                   x3 = _mm256_loadu_ps(xb + 24);
+      if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+      for (int r = 0; r < 4; ++r) {
+        const int8_t* q = codes + (o + r) * K + b * kBlock;
+        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
+        __m256 t = _mm256_mul_ps(q8_codes8(q), x0);
+        t = _mm256_fmadd_ps(q8_codes8(q + 8), x1, t);
+        t = _mm256_fmadd_ps(q8_codes8(q + 16), x2, t);
+        t = _mm256_fmadd_ps(q8_codes8(q + 24), x3, t);
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[(o + r) * nb + b]), t, acc[r]);
       }
     }
     for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
@@ -240,7 +357,7 @@ void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const fl
     const float* dr = d + o * nb;
     for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
       const int64_t mc = std::min(kMaxM, M - m0);
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
       __m512 acc[kMaxM];
       for (int64_t i = 0; i < mc; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t b = 0; b < nb; ++b) {
@@ -252,6 +369,23 @@ void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const fl
           __m512 t = _mm512_mul_ps(a, _mm512_loadu_ps(xb));
           t = _mm512_fmadd_ps(c, _mm512_loadu_ps(xb + 16), t);
           acc[i] = _mm512_fmadd_ps(scale, t, acc[i]);
+        }
+      }
+      for (int64_t i = 0; i < mc; ++i) y[(m0 + i) * N + o] = hsum(acc[i]);
+#elif defined(KVMEMORY_AVX2)
+      __m256 acc[kMaxM];
+      for (int64_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* qb = q + b * kBlock;
+        const __m256 a0 = q8_codes8(qb), a1 = q8_codes8(qb + 8), a2 = q8_codes8(qb + 16), a3 = q8_codes8(qb + 24);
+        const __m256 scale = _mm256_set1_ps(dr[b]);
+        for (int64_t i = 0; i < mc; ++i) {
+          const float* xb = x + (m0 + i) * K + b * kBlock;
+          __m256 t = _mm256_mul_ps(a0, _mm256_loadu_ps(xb));
+          t = _mm256_fmadd_ps(a1, _mm256_loadu_ps(xb + 8), t);
+          t = _mm256_fmadd_ps(a2, _mm256_loadu_ps(xb + 16), t);
+          t = _mm256_fmadd_ps(a3, _mm256_loadu_ps(xb + 24), t);
+          acc[i] = _mm256_fmadd_ps(scale, t, acc[i]);
         }
       }
       for (int64_t i = 0; i < mc; ++i) y[(m0 + i) * N + o] = hsum(acc[i]);
@@ -497,6 +631,17 @@ bool has_vnni() {
 #endif
 }
 
+// The SIMD paths this build compiled ("avx512", "avx2" or "portable"): what its flags enabled.
+std::string isa() {
+#if defined(KVMEMORY_AVX512)
+  return "avx512";
+#elif defined(KVMEMORY_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 // x [M, K] fp32, codes uint8 [N, K/32*16], d / m fp32 [N, K/32] -> y [M, N] fp32, with x quantized
 // to int8 per 32-value block (see above). Rows of x are taken up to kMaxM at a time.
 torch::Tensor q4_1_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
@@ -648,16 +793,20 @@ void rms_norm(const float* x, const float* weight, int64_t n, double eps, float*
 float dot(const float* a, const float* b, int64_t n) {
   int64_t j = 0;
   float total = 0.f;
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
   __m512 acc = _mm512_setzero_ps();
   for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
+  total = hsum(acc);
+#elif defined(KVMEMORY_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
   total = hsum(acc);
 #endif
   for (; j < n; ++j) total += a[j] * b[j];
   return total;
 }
 
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
 // exp of 16 floats (Cephes' expf polynomial, range-reduced by ln 2 and scaled by 2^n: within 2 ulp
 // of std::exp over the range softmax and SiLU use)
 inline __m512 exp16(__m512 x) {
@@ -675,15 +824,51 @@ inline __m512 exp16(__m512 x) {
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
 }
+#elif defined(KVMEMORY_AVX2)
+// exp16 above for 8 floats: the same clamp, reduction and polynomial (bit-identical results).
+// AVX2 has no scalef: 2^n is applied as 2^(n/2) * 2^(n - n/2), each factor a normal float built
+// from its exponent bits (n lies in [-150, 128]); the first product is exact, so the result is
+// rounded once, as scalef rounds it (denormal results included).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-103.9f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i k = _mm256_cvtps_epi32(n);  // exact: n is an integer
+  const __m256i half = _mm256_srai_epi32(k, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(k, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+}
+
+// lanes [0, count) set, count in [0, 8]: the mask of a partial vector's loads and stores
+inline __m256i first_lanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #endif
 
 float max_of(const float* x, int64_t n) {
   float top = -INFINITY;
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
   __m512 acc = _mm512_set1_ps(-INFINITY);
   for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + i));
   top = _mm512_reduce_max_ps(acc);
+#elif defined(KVMEMORY_AVX2)
+  __m256 acc = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #endif
   for (; i < n; ++i) top = std::max(top, x[i]);
   return top;
@@ -693,7 +878,7 @@ float max_of(const float* x, int64_t n) {
 float exp_shifted_sum(float* x, int64_t n, float top) {
   int64_t i = 0;
   float total = 0.f;
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
   const __m512 shift = _mm512_set1_ps(top);
   __m512 acc = _mm512_setzero_ps();
   for (; i < n; i += 16) {
@@ -703,6 +888,16 @@ float exp_shifted_sum(float* x, int64_t n, float top) {
     acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(mask, e));
   }
   total = _mm512_reduce_add_ps(acc);
+#elif defined(KVMEMORY_AVX2)
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i < n; i += 8) {  // the last vector partial (masked): every value through the same exp8
+    const __m256i mask = first_lanes(std::min<int64_t>(8, n - i));
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(x + i, mask), shift));
+    _mm256_maskstore_ps(x + i, mask, e);
+    acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
+  }
+  total = hsum(acc);
 #endif
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - top);
@@ -713,7 +908,7 @@ float exp_shifted_sum(float* x, int64_t n, float top) {
 
 // out[D] = sum_r p[r] * v[r * D : (r + 1) * D]
 void weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* out) {
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
   if (D == 64) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t r = 0; r < n; ++r) {
@@ -730,6 +925,17 @@ void weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* 
     _mm512_storeu_ps(out + 48, a3);
     return;
   }
+#elif defined(KVMEMORY_AVX2)
+  if (D == 64) {
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < n; ++r) {
+      const __m256 pr = _mm256_set1_ps(p[r]);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + r * 64 + j * 8), a[j]);
+    }
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + j * 8, a[j]);
+    return;
+  }
 #endif
   std::fill(out, out + D, 0.f);
   for (int64_t r = 0; r < n; ++r) {
@@ -737,7 +943,7 @@ void weighted_rows(const float* p, const float* v, int64_t n, int64_t D, float* 
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
 // The 16 dot products q . k[j] (q: 4 vectors of a 64-wide head; k[j] 64 floats apart) as one
 // vector: four FMAs per product, then a transposing reduction of the 16 partial vectors (45
 // shuffles and adds in all instead of a horizontal sum per product).
@@ -762,9 +968,12 @@ inline __m512 dots16(const __m512 q[4], const float* k) {
 }
 
 // The G query heads of one key/value group against n key rows (D = 64): each key row is loaded
-// once for all G heads (q already scaled). S[h * n + r] = q_h . k_r.
+// once for all G heads. qs: the G heads' scaled queries, [G, 64]. S[h * n + r] = q_h . k_r.
 template <int G>
-void group_scores(const __m512 q[G][4], const float* k, int64_t n, float* S) {
+void group_scores(const float* qs, const float* k, int64_t n, float* S) {
+  __m512 q[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < 4; ++j) q[h][j] = _mm512_loadu_ps(qs + h * 64 + j * 16);
   for (int64_t r = 0; r < n; ++r) {
     const float* kr = k + r * 64;
     const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
@@ -798,16 +1007,112 @@ void group_weighted_rows(const float* P, const float* v, int64_t n, float* out) 
   for (int h = 0; h < G; ++h)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * 64 + j * 16, acc[h][j]);
 }
+#elif defined(KVMEMORY_AVX2)
+// The 8 dot products q . k[j] (q: 64 floats; k[j] 64 floats apart) as one vector: 8 independent
+// FMA chains (q loaded once per 8 columns for all rows), then one transposing reduction (6
+// horizontal adds, 2 lane permutes, 1 add) instead of a horizontal sum per product.
+inline __m256 dots8(const float* q, const float* k) {
+  __m256 a[8];
+  const __m256 q0 = _mm256_loadu_ps(q);
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k + j * 64));
+  for (int c = 1; c < 8; ++c) {
+    const __m256 qc = _mm256_loadu_ps(q + c * 8);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + j * 64 + c * 8), a[j]);
+  }
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half: rows 0-3, 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// out[j] = the sum of a[j]'s lanes, j < R (R = 2, 4 or 8): one transposing reduction
+template <int R>
+inline void store_sums(const __m256 (&a)[R], float* out) {
+  if constexpr (R == 8) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+  } else if constexpr (R == 4) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  } else {
+    static_assert(R == 2, "2, 4 or 8 sums");
+    const __m256 t = _mm256_hadd_ps(a[0], a[1]);
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    _mm_storel_pi(reinterpret_cast<__m64*>(out), _mm_hadd_ps(s, s));
+  }
+}
+
+// group_scores for AVX2 (qs: the G heads' scaled queries, [G, 64]; S[h * n + r] = q_h . k_r):
+// R key rows at a time for all G heads. Per 8 columns the G query vectors and each row's key
+// vector are loaded once (G + R loads for G * R FMAs) into G * R accumulators, which with the G
+// query vectors fill the 16 registers at most.
+template <int G>
+void group_scores(const float* qs, const float* k, int64_t n, float* S) {
+  constexpr int R = G == 1 ? 8 : (G <= 3 ? 4 : 2);
+  int64_t r = 0;
+  for (; r + R <= n; r += R) {
+    const float* kr = k + r * 64;
+    __m256 acc[G][R];
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < R; ++j) acc[h][j] = _mm256_setzero_ps();
+    for (int c = 0; c < 8; ++c) {
+      __m256 qc[G];
+      for (int h = 0; h < G; ++h) qc[h] = _mm256_loadu_ps(qs + h * 64 + c * 8);
+      for (int j = 0; j < R; ++j) {
+        const __m256 kj = _mm256_loadu_ps(kr + j * 64 + c * 8);
+        for (int h = 0; h < G; ++h) acc[h][j] = _mm256_fmadd_ps(qc[h], kj, acc[h][j]);
+      }
+    }
+    for (int h = 0; h < G; ++h) store_sums<R>(acc[h], S + h * n + r);
+  }
+  for (; r < n; ++r)
+    for (int h = 0; h < G; ++h) S[h * n + r] = dot(qs + h * 64, k + r * 64, 64);
+}
+
+// group_weighted_rows for AVX2: G heads * 64 outputs need up to 32 accumulators, twice the 16
+// registers, so the columns are done W vectors (8W floats) at a time, 12 accumulators at most,
+// over blocks of 64 value rows (16 KB, still in L1 for the next columns). Each output still sums
+// its rows in order.
+template <int G>
+void group_weighted_rows(const float* P, const float* v, int64_t n, float* out) {
+  constexpr int W = G * 8 <= 12 ? 8 : (G * 4 <= 12 ? 4 : 2);
+  constexpr int64_t kRowBlock = 64;
+  std::fill(out, out + G * 64, 0.f);
+  for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
+    const int64_t r1 = std::min(n, r0 + kRowBlock);
+    for (int j0 = 0; j0 < 8; j0 += W) {
+      __m256 acc[G][W];
+      for (int h = 0; h < G; ++h)
+        for (int j = 0; j < W; ++j) acc[h][j] = _mm256_loadu_ps(out + h * 64 + (j0 + j) * 8);
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* vr = v + r * 64 + j0 * 8;
+        for (int h = 0; h < G; ++h) {
+          const __m256 p = _mm256_set1_ps(P[h * n + r]);
+          for (int j = 0; j < W; ++j) acc[h][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + j * 8), acc[h][j]);
+        }
+      }
+      for (int h = 0; h < G; ++h)
+        for (int j = 0; j < W; ++j) _mm256_storeu_ps(out + h * 64 + (j0 + j) * 8, acc[h][j]);
+    }
+  }
+}
 #endif
 
 // SiLU(gate) * up for n values
 void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
   for (; i + 16 <= n; i += 16) {
     const __m512 g = _mm512_loadu_ps(gate + i);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(up + i)));
+  }
+#elif defined(KVMEMORY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(up + i)));
   }
 #endif
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
@@ -860,8 +1165,9 @@ class LlamaDecoder {
     const int64_t capacity = keys.size(3);
     auto h = hidden.contiguous().clone();
     float* hp = h.data_ptr<float>();
+    // sums: the block sums of any linear's input (hidden, attention output or MLP activation)
     std::vector<float> x(std::max(H, inter)), qkv(q_width + 2 * kv_width), attn(q_width), out(std::max(H, 2 * inter)),
-        sums(std::max(H, inter) / kBlock + 1), act(inter);
+        sums(std::max({H, inter, q_width}) / kBlock + 1), act(inter);
     Q4Activation scratch;
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     for (int64_t l = 0; l < layers; ++l) {
@@ -984,7 +1290,7 @@ class LlamaDecoder {
   // attend() for n query rows (row i of q at q + i * q_stride) over cached rows [0, pos[i]] each.
   void attend_rows(const float* q, int64_t q_stride, const float* keys, const float* values, int64_t capacity,
                    const int64_t* pos, int64_t n, float* out) {
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_SIMD)
     if (head_dim_ == 64 && heads_ / kv_heads_ <= kMaxGroup) {
       attend_rows_by_group(q, q_stride, keys, values, capacity, pos, n, out);
       return;
@@ -1001,7 +1307,7 @@ class LlamaDecoder {
         for (int64_t g = 0; g < kv_heads_; ++g) {
           const float* kg = keys + (g * capacity + r0) * D;
           int64_t r = 0;
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_AVX512)
           if (D == 64) {  // 16 cached rows at a time, one transposing reduction per query head
             for (; r + 16 <= width; r += 16) {
               for (int64_t i = std::lower_bound(pos, pos + n, r0 + r) - pos; i < n; ++i) {
@@ -1011,6 +1317,18 @@ class LlamaDecoder {
                   const __m512 qv[4] = {_mm512_mul_ps(_mm512_loadu_ps(qh), scale), _mm512_mul_ps(_mm512_loadu_ps(qh + 16), scale),
                                         _mm512_mul_ps(_mm512_loadu_ps(qh + 32), scale), _mm512_mul_ps(_mm512_loadu_ps(qh + 48), scale)};
                   _mm512_storeu_ps(scores.data() + (i * H + hh) * width + r, dots16(qv, kg + r * D));
+                }
+              }
+            }
+          }
+#elif defined(KVMEMORY_AVX2)
+          if (D == 64) {  // 8 cached rows at a time (dots8), the same scaled query as above
+            for (; r + 8 <= width; r += 8) {
+              for (int64_t i = std::lower_bound(pos, pos + n, r0 + r) - pos; i < n; ++i) {
+                for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
+                  float qs[64];
+                  for (int64_t j = 0; j < 64; ++j) qs[j] = q[i * q_stride + hh * D + j] * float(scale_);
+                  _mm256_storeu_ps(scores.data() + (i * H + hh) * width + r, dots8(qs, kg + r * D));
                 }
               }
             }
@@ -1065,7 +1383,7 @@ class LlamaDecoder {
     }
   }
 
-#if defined(__AVX512F__)
+#if defined(KVMEMORY_SIMD)
   // attend_rows at head_dim 64: per query row, one pass over its visible key and value rows for
   // all heads of a group (group_scores / group_weighted_rows). Interleaved A/B at 2 K and 8 K
   // cached rows, SmolLM2, 2 threads, whole 30-layer calls: faster than one pass per head (3 rows
@@ -1089,11 +1407,9 @@ class LlamaDecoder {
             const int64_t seen = std::min(width, pos[i] + 1 - r0);
             if (seen <= 0) continue;  // this chunk lies past the row's causal end
             for (int64_t g = 0; g < kv_heads_; ++g) {
-              __m512 qg[G][4];
-              for (int h = 0; h < G; ++h)
-                for (int j = 0; j < 4; ++j)
-                  qg[h][j] = _mm512_mul_ps(_mm512_loadu_ps(q + i * q_stride + (g * G + h) * D + j * 16),
-                                           _mm512_set1_ps(float(scale_)));
+              float qg[G * 64];  // the group's G query heads, scaled
+              const float* qi = q + i * q_stride + g * G * D;
+              for (int64_t j = 0; j < G * D; ++j) qg[j] = qi[j] * float(scale_);
               group_scores<G>(qg, keys + (g * capacity + r0) * D, seen, scores.data());
               const int64_t slot = (c * n + i) * H + g * G;
               for (int h = 0; h < G; ++h) {
@@ -1140,7 +1456,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q8_0_linear_i8", &q8_0_linear_i8, "x @ dequant(Q8_0 blocks).T with x quantized to int8 blocks (VNNI)",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("has_vnni", &has_vnni, "whether this build has the int8-activation (VNNI) kernels");
-  pybind11::class_<LlamaDecoder>(module, "LlamaDecoder")
+  module.def("isa", &isa, "the SIMD paths this build compiled: avx512, avx2 or portable");
+  // module_local: each ISA's build is its own module with its own LlamaDecoder type (several load
+  // into one process); a global registration would clash on the shared C++ type name
+  pybind11::class_<LlamaDecoder>(module, "LlamaDecoder", pybind11::module_local())
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, bool>())

@@ -14,6 +14,7 @@ from . import graphs
 from .build import build
 from .interface import Engine, EngineStatus
 from .llama import QuantizedLlama
+from .quantized import cpu_isas, kernel_isa
 from .reference import TransformersEngine
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ def attach(model, gguf: str | Path | None, engine: str = "auto") -> EngineStatus
         model: a transformers ``LlamaForCausalLM`` in fp32 on CPU, whose linear weights are the
             dequantized Q4_1 blocks of ``gguf`` and whose head is its Q8_0 embedding (the embedded
             SmolLM2 is). Checked weight by weight (~1 s for 135 M parameters).
-        engine: ``"auto"`` (use ``"q4_1"`` when possible, else transformers, with the reason in
-            :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"q4_1_int8"`` (the same
+        engine: ``"auto"`` (use ``"q4_1"`` when possible and the kernel has SIMD paths for
+            this CPU, AVX2 or AVX-512; else transformers, with the reason in :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"q4_1_int8"`` (the same
             with int8 activations on the block path; raise when it cannot run, e.g. no AVX-512
             VNNI), ``"q4_1_bf16"`` (bf16 linears for long inputs), ``"q4_1_int8_bf16"`` (both),
             ``"cuda_graphs"`` (a model on CUDA; raise when it cannot run), ``"transformers"`` (detach).
@@ -61,6 +62,8 @@ def attach(model, gguf: str | Path | None, engine: str = "auto") -> EngineStatus
         built = graphs.GraphDecoder(model)
     else:
         try:
+            if engine == "auto":
+                _check_auto_pays()
             built = build(model, Path(gguf), int8_activations="int8" in engine, bf16_prefill=engine.endswith("bf16"))
         except EngineUnsupportedError as exc:
             if engine in BLOCK_ENGINES:  # asked for by name: raise, the engine the model has stays
@@ -80,7 +83,23 @@ def status(model) -> EngineStatus:
     if engine is None:
         return EngineStatus("transformers", _refused.get(model))
     reason = engine.unsupported_reason()
-    return EngineStatus("transformers", reason) if reason else EngineStatus(engine.kind)
+    return EngineStatus("transformers", reason) if reason else EngineStatus(engine.kind, isa=getattr(engine, "isa", None))
+
+
+def _check_auto_pays() -> None:
+    """``"auto"`` is never the slower choice: the block engine only where its kernel has SIMD
+    paths (AVX2 or AVX-512). Without them (the ``portable`` build: no AVX2, or a CPU kvmemory has
+    no SIMD kernel for yet, such as ARM) one decoded token of SmolLM2 took 81 ms against
+    transformers' 61 ms on one thread (benchmarks/results/engine_isa).
+
+    Raises:
+        EngineUnsupportedError: the reason (``"q4_1"`` asked for by name still runs there).
+    """
+    isa = kernel_isa()  # KernelUnavailableError (an EngineUnsupportedError) for a bad KVMEMORY_ISA
+    if isa == "portable":
+        raise EngineUnsupportedError(
+            f"the engine's kernel has no SIMD path for this CPU (it runs {', '.join(cpu_isas())}), where "
+            "transformers' forward is faster on one thread; engine='q4_1' runs it anyway")
 
 
 def engine_for(model, cache) -> Engine:

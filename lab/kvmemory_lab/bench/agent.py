@@ -43,7 +43,7 @@ from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT, DemoCase, Passage, default_
 from .agent_systems import (
     KVMemorySystem, LlamaCppSystem, ModelPool, ReprefillSystem, llama_cpp_missing,
 )
-from .common import agg_pyplot, count_list, int_list, load_average, machine_name, time_ratio
+from .common import agg_pyplot, count_list, int_list, load_average, machine_name, simd_flags, time_ratio
 
 STEPS = ("first", "repeat", "append", "delete", "decode")
 REFERENCE = "transformers bf16"
@@ -332,7 +332,9 @@ def _meta(args, settings: dict, pool: ModelPool, systems: list, skipped: list[st
     return {
         "command": getattr(args, "command_line", None), "threads": args.threads, "cpu_count": os.cpu_count(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "machine": machine_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "machine": machine_name(), "cpu_flags": simd_flags(), "kernel_isa": _kernel_isa(),
+        "kvmemory_isa_env": os.environ.get("KVMEMORY_ISA"),
+        "torch": torch.__version__, "transformers": transformers.__version__,
         "llama_cpp": llama.version if llama else None, "gguf": llama.gguf if llama else None,
         "model": pool.get(args.dtype).name,
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), **settings, "dtype": args.dtype,
@@ -343,6 +345,16 @@ def _meta(args, settings: dict, pool: ModelPool, systems: list, skipped: list[st
         "protocol": "one cold system state per trial, steps in order; trials interleaved across systems; medians; "
                     "answers of exactly answer_tokens greedy tokens (stop tokens masked)",
     }
+
+
+def _kernel_isa() -> str | None:
+    """The instruction set kvmemory's block engine is built for here (None: no kernel)."""
+    from kvmemory.engine import KernelUnavailableError, kernel_isa
+
+    try:
+        return kernel_isa()
+    except KernelUnavailableError:
+        return None
 
 
 # ------------------------------------------------------------------ outputs
@@ -366,6 +378,8 @@ def markdown(meta: dict, rows: list[Row]) -> str:
         f"Command: `{_env_prefix(meta)}{meta['command']}`", "",
         f"{meta['date']} on {meta['machine']} ({meta['cpu_count']} CPUs); torch {meta['torch']}, transformers "
         f"{meta['transformers']}" + (f", llama-cpp-python {meta['llama_cpp']}" if meta["llama_cpp"] else "") + ". "
+        f"CPU flags: {' '.join(meta.get('cpu_flags') or ['unknown'])}; kvmemory's kernel built for "
+        f"{meta.get('kernel_isa') or 'no ISA (transformers only)'}. "
         f"Load average {meta['loadavg_start'][0]:.1f} at the start, {meta['loadavg_end'][0]:.1f} at the end: other jobs "
         "share this machine, so compare systems within the run (ratios), not across runs.", "",
         f"Median of {meta['trials']} interleaved trials. Every answer is exactly {meta['answer_tokens']} greedy tokens "

@@ -45,6 +45,23 @@ def machine_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# the CPU features that decide the engine's speed (its kernel's instruction set, int8 / bf16 paths)
+SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile",
+              "asimd", "sve")
+
+
+def simd_flags() -> list[str]:
+    """Which of :data:`SIMD_FLAGS` this CPU has, as Linux lists them (``/proc/cpuinfo``; empty
+    where it is not readable). Every speed figure names them: a figure from an AVX-512 machine
+    says nothing about an AVX2-only one."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.split(":")[0].strip() in ("flags", "Features")), set())
+    return [flag for flag in SIMD_FLAGS if flag in flags]
+
+
 def time_ratio(median: dict, num, den) -> str:
     """``median[num] / median[den]`` formatted as ``"1.23×"``; empty when either is missing or 0."""
     if num not in median or den not in median or not median[den]:
