@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from .recovery import decoder_of
 from .scheduler import BudgetAccount
 
 
@@ -92,8 +93,6 @@ def layer_kv(model, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -
             ``self_attn.k_proj`` / ``v_proj``, a module-level ``apply_rotary_pos_emb``): use
             another maintenance policy for this model.
     """
-    from .recovery import decoder_of
-
     decoder = decoder_of(model)
     block = decoder.layers[layer]
     attn = getattr(block, "self_attn", None)
