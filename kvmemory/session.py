@@ -43,7 +43,7 @@ class _RequestPlan:
     """What ``prepare`` decided before the repair: the repair job (new rendering, edit plan, the
     policy whose operator runs), the held message ids strict erase removes, the adapter the rows
     are computed under, and what the report says beside the repair: why the template gives no
-    stable spans, CacheReforge maintenance since the last report, why a failed one dropped the cache."""
+    stable spans, CacheReforge maintenance since the last report, why the cache was dropped or not restored."""
 
     job: RepairJob
     erased: list[str]
@@ -128,7 +128,8 @@ class KVSession:
         self.reforge = ReforgeState(model, reforge)
         self.pending_erasures: list[str] = []  # ids strictly erased here, not yet purged from a store
         # CacheReforge maintenance since the last prepare's report (e.g. by OnlineAdapter.update), and
-        # why a failed one dropped the cache: the next report says so
+        # why the cache lost rows it would have held (a failed maintenance dropped it, or the thread's
+        # stored cache could not be restored, see note_lost_reuse): the next report says so
         self._unreported_maintenance = None
         self._dropped_reason: str | None = None
         self.reset()
@@ -278,6 +279,13 @@ class KVSession:
         request = self._plan(messages, policy, erase, rendered)  # plan -> repair -> apply
         return self._apply(request, self._repair(request), t0)
 
+    def note_lost_reuse(self, reason: str) -> None:
+        """Record why this session holds less than the thread's stored state (e.g. its stored
+        cache could not be restored): the next :meth:`prepare` reports it once in
+        ``RepairReport.fallback``. A reason already pending stays; :meth:`restore` clears it."""
+        if reason and not self._dropped_reason:
+            self._dropped_reason = reason
+
     def _plan(self, messages, policy: RepairPolicy | str | None, erase: str | None,
               rendered: RenderedPrompt | None) -> _RequestPlan:
         """Plan: render ``messages``, diff them against the held rendering (the EditPlan) and
@@ -356,7 +364,7 @@ class KVSession:
         if request.maintenance is not None:  # CacheReforge moved the cache to a new adapter since the last report
             report.adapter = request.maintenance.as_dict()
             report.note_fallback(request.maintenance.fallback)
-        report.note_fallback(request.dropped)  # a failed maintenance dropped the cache: this call re-prefilled
+        report.note_fallback(request.dropped)  # the cache was dropped or not restored: this call recomputed it
         report.engine = engine_status(self.model).as_dict()
         report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:

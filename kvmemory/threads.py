@@ -310,6 +310,13 @@ class ThreadCaches:
             persistence.import_state(session, state)
         return session
 
+    def note_lost_reuse(self, thread_id: str, reason: str) -> None:
+        """Tell the thread's next call why it reuses less than the thread's stored state allows
+        (e.g. its stored cache could not be restored): that call's ``RepairReport.fallback`` says
+        so (see ``KVSession.note_lost_reuse``). Creates the thread's session if it is not live."""
+        with self.lease(thread_id) as session:
+            session.note_lost_reuse(reason)
+
 
 def _check_id(thread_id: Any) -> str:
     if isinstance(thread_id, bool) or not isinstance(thread_id, (str, int)):

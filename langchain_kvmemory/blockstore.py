@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -55,6 +56,19 @@ def check_key(key: str) -> str:
         raise ValueError(f"bad block store key {key!r}: use lowercase [a-z0-9_-] parts joined by '/', "
                          "e.g. 'block/<sha256 hex>'")
     return key
+
+
+def store_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says a store's server could not be reached (connection refused or lost,
+    timeout), as opposed to a bad value or a bug: callers then carry on without the store (the
+    thread re-prefills from its checkpointed messages) instead of losing the turn."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    redis = sys.modules.get("redis")  # only a store built on it can have raised its errors
+    if redis is not None and isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, psycopg.OperationalError)
 
 
 class BlockStore(ABC):

@@ -17,7 +17,10 @@ The link to the chat model is its thread registry (:class:`kvmemory.threads.Thre
 A missing, truncated or mismatching blob, or one computed by another model, is detected (size,
 sha256, layout and base-weights digest checks), logged with its reason and recorded in :attr:`restore_failures`; the
 thread then simply re-prefills from the checkpointed messages (a thread with no blob at all,
-e.g. after a crash before its first blob was written, is recorded with reason ``none``). The
+e.g. after a crash before its first blob was written, is recorded with reason ``none``), and the
+repair report of its next call says why in ``fallback`` (that call only). A block store that
+does not answer (reason ``unreachable``) is handled the same way, and a cache it could not store
+after a turn is logged and recorded in :attr:`persist_failures`: the turn is never lost. The
 blob a thread resumed from is in :attr:`restored_from`. Checkpoints themselves are always stored
 and read by the wrapped saver unchanged: a blob problem never loses a message.
 
@@ -55,7 +58,7 @@ from kvmemory.threads import ThreadCaches
 
 from .blobs import BlobError, BlobRef, BlobStore
 from .blockpersist import BlockPersistence
-from .blockstore import BlockStore, open_block_store
+from .blockstore import BlockStore, open_block_store, store_unreachable
 from .kvblocks import DEFAULT_BLOCK_TOKENS
 from .erase import Erasure, EraseReport, current_versions, is_sqlite_saver, purge_generic, purge_sqlite, shred, \
     sqlite_refs, tainted_blobs
@@ -182,6 +185,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.keeps_history = _keeps_history(saver) if keeps_history is None else keeps_history
         self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
         self.restored_from: dict[str, str] = {}  # thread id -> sha256 of the verified blob it resumed from
+        self.persist_failures: dict[str, str] = {}  # thread id -> why its last checkpoint names no live cache
         self._stored: dict[str, tuple[tuple, BlobRef, dict]] = {}  # thread id -> (fingerprint, blob, metadata entry)
         self._rejected: set[tuple[str, str]] = set()  # (thread id, sha256) found unusable: not retried
         self.erase_reports: dict[str, EraseReport] = {}  # thread id -> its last strict-erase purge
@@ -668,8 +672,10 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         try:
             entry = self._store_thread(tid)
         except Exception as exc:  # the checkpoint matters more than the cache (disk, server): store it anyway
+            self.persist_failures[tid] = f"{type(exc).__name__}: {exc}"
             log.warning("kvmemory: thread %r: live cache not persisted (%s); a restart will re-prefill", tid, exc)
             return metadata
+        self.persist_failures.pop(tid, None)
         return metadata if entry is None else {**metadata, CACHE_KEY: entry}
 
     def _present(self, ref: BlobRef) -> bool:
@@ -733,6 +739,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self._evicted.pop(tid, None)
         self._stored.pop(tid, None)
         self.restore_failures.pop(tid, None)
+        self.persist_failures.pop(tid, None)
         self._pending_erase.pop(tid, None)
         self.restored_from.pop(tid, None)
         if self.blocks is not None:
@@ -754,6 +761,9 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         entry = (newest.metadata or {})[CACHE_KEY] if newest is not None else None
         own = entry is None or entry.get("writer") == self.blocks.worker_id
         live = tid in self.threads
+        if live and newest is not tup and tid in self.persist_failures:
+            self.blocks.stats.live_kept += 1
+            return  # this worker wrote the newest checkpoint but not its cache (store down): the live cache is newer
         if own and tid in self._evicted and not live:
             ref = self._evicted[tid][0]  # written here at eviction: not older than any checkpoint's
         elif entry is None:
@@ -786,6 +796,12 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             return False                                    # the messages (recomputing what it lacks)
         except CacheStateError as exc:
             self._reject(tid, "incompatible", str(exc), ref)
+            return False
+        except Exception as exc:
+            if not store_unreachable(exc):
+                raise
+            # not marked rejected: the state may be fine, the next load of the thread tries again
+            self._reject(tid, "unreachable", f"{self.blocks.store.describe()}: {type(exc).__name__}: {exc}")
             return False
         fingerprint = session.state_version
         self.blocks.adopt(tid, fingerprint, info["block_refs"])
@@ -865,6 +881,18 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self.restore_failures[tid] = f"{reason}: {detail}"
         log.warning("kvmemory: thread %r: stored cache not used (%s: %s); its next turn re-prefills from the "
                     "checkpointed messages", tid, reason, detail)
+        if reason != "none":  # a thread that never stored a cache lost nothing
+            self._note_lost_reuse(tid)
+
+    def _note_lost_reuse(self, tid: str) -> None:
+        """Tell the thread's next call why it does not resume from its stored cache: that call's
+        repair report says so in ``fallback`` (once; later calls served from the live cache don't)."""
+        live = self.threads.get(tid)
+        how = ("repaired from this worker's older live cache" if live is not None and live.token_ids
+               else "re-prefilled from the checkpointed messages")
+        what, where = ("cached blocks", "block store") if self.blocks is not None else ("stored cache", "blob store")
+        self.threads.note_lost_reuse(tid, f"the thread's {what} could not be restored "
+                                          f"({where}: {self.restore_failures[tid]}): {how}")
 
 
 def _sha_of(metadata) -> str | None:

@@ -80,6 +80,47 @@ def postgres_store():
 
 
 @pytest.fixture
+def private_redis():
+    """A Redis server of the test's own on a free local port (``redis-server`` from
+    .ci/services.sh), as ``(url, stop)``: ``stop()`` shuts it down, as in an outage."""
+    import shutil
+    import socket
+    import time
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = f"redis-server not installed: run bash {SERVICES}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        try:
+            redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    else:
+        server.kill()
+        pytest.fail(f"redis-server on port {port} did not start")
+
+    def stop() -> None:
+        server.terminate()
+        server.wait(10)
+
+    yield url, stop
+    if server.poll() is None:
+        stop()
+
+
+@pytest.fixture
 def postgres_url():
     require(_postgres_up)
     return POSTGRES_URL

@@ -5,6 +5,7 @@ state over one checkpoint database and one shared block store (filesystem, Redis
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -21,7 +22,7 @@ from langchain_kvmemory.blockpersist import LeaseTimeout
 from langchain_kvmemory.blockstore import FilesystemBlockStore
 from langchain_kvmemory.checkpointer import CACHE_KEY, KVCheckpointSaver
 from langchain_kvmemory.kvblocks import decode_block, encode_state, identity_digest
-from servers import postgres_store, postgres_url, redis_store  # noqa: F401  (fixtures)
+from servers import postgres_store, postgres_url, private_redis, redis_store  # noqa: F401  (fixtures)
 from support import tiny_model
 
 B = 16  # rows per block: small, so short chats span several blocks
@@ -315,6 +316,48 @@ def test_postgres_saver_with_redis_blocks_two_workers(tokenizer, llama, tmp_path
     workers[0][0].delete_thread(thread)
     for cm in contexts:
         cm.__exit__(None, None, None)
+
+
+# --------------------------------------------------------------- lost reuse
+def test_blocks_flushed_between_workers_are_named_by_the_resuming_call_only(tmp_path, tokenizer, llama, redis_store):
+    db = tmp_path / "f.sqlite"
+    a, b = Worker(llama, tokenizer, db, redis_store, "A"), Worker(llama, tokenizer, db, redis_store, "B")
+    a.turn(TURNS[0])
+    a.turn(TURNS[1])
+    redis_store.clear()  # e.g. FLUSHDB, or the server restarted without persistence
+    resumed = b.turn(TURNS[2])
+    assert resumed.reused_tokens == 0 and b.saver.restore_failures["t"].startswith("missing")
+    assert resumed.fallback == (f"the thread's cached blocks could not be restored (block store: "
+                                f"{b.saver.restore_failures['t']}): re-prefilled from the checkpointed messages")
+    assert b.turn(TURNS[3]).fallback is None  # served from the live cache: the restore is not reported again
+    a.close(), b.close()
+
+
+def test_an_unreachable_block_store_reprefills_and_says_why(tmp_path, tokenizer, llama, private_redis, caplog):
+    from langchain_kvmemory.blockstore import RedisBlockStore
+
+    url, stop = private_redis
+    db = tmp_path / "u.sqlite"
+    a = Worker(llama, tokenizer, db, RedisBlockStore(url), "A")
+    a.turn(TURNS[0])
+    b = Worker(llama, tokenizer, db, RedisBlockStore(url), "B")
+    stop()  # the block store goes down before B loads the thread (the checkpoints stay reachable)
+    config = {"configurable": {"thread_id": "t"}}
+    with caplog.at_level(logging.WARNING, logger="langchain_kvmemory.checkpointer"):
+        b.graph.invoke({"messages": TURNS[1]}, config)  # no thread lease: it lives in the store that is down
+    report, failure = b.reports[-1], b.saver.restore_failures["t"]
+    assert failure.startswith("unreachable: redis:") and "ConnectionError" in failure
+    assert report.reused_tokens == 0 and report.fallback == (
+        f"the thread's cached blocks could not be restored (block store: {failure}): "
+        "re-prefilled from the checkpointed messages")
+    assert "stored cache not used (unreachable" in caplog.text
+    assert "live cache not persisted" in caplog.text  # the write after the turn failed too: logged, turn kept
+    assert "ConnectionError" in b.saver.persist_failures["t"]
+    messages = b.graph.get_state(config).values["messages"]
+    assert [m.id for m in messages] == ["sys", "u1", "a2", "u2", "a4"]
+    b.graph.invoke({"messages": TURNS[2]}, config)
+    assert b.reports[-1].fallback is None  # served from the live cache
+    a.close(), b.close()
 
 
 # ------------------------------------------------------------------ real model
