@@ -31,7 +31,7 @@ from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser,
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.runnables.config import ensure_config
-from langchain_core.tools import BaseTool
+from langchain_core.tools import BaseTool, StructuredTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import Field, PrivateAttr, model_validator
@@ -50,7 +50,7 @@ from kvmemory.threads import ThreadCaches
 
 from .constrained import AnswerBudget, BudgetSpent, Grammars, processor, response_schema
 from .leased_streams import OpenStreams
-from .messages import session_message, to_session_messages
+from .messages import check_tool_history, session_message, to_session_messages
 from .options import fold_aliases, normalize_device, normalize_dtype, reject_unknown
 from .sampling import LogprobRecorder, Sampling
 from .streaming import TextWatcher
@@ -72,7 +72,7 @@ CHECKPOINTER_KEY = "__pregel_checkpointer"  # where LangGraph puts the graph's c
 # strict ones; decoding under a grammar is always schema-exact, so strict needs nothing more)
 CALL_KEYS = frozenset({"max_tokens", "seed", "timeout", "repair_policy", "erase", "thread_id", "model", "tools",
                        "tool_choice", "parallel_tool_calls", "response_format", "ls_structured_output_format",
-                       "strict"})
+                       "strict", "structured_output_tools"})
 RESERVE_SLACK = 16  # rows a call may hold beyond prompt + answer (end-of-turn markers of a committed answer)
 # grammar-fixed tokens a constrained answer may add beyond max_tokens (call wrappers, forced names)
 FIXED_TOKEN_ALLOWANCE = 128
@@ -156,6 +156,7 @@ class _Call:
     fixed_allowance: int  # grammar-fixed tokens the answer may add beyond max_tokens
     seed: int | None
     call_gap: float | None = None  # the scored policy's gap in nats, once decided
+    answer_tools: list[str] | None = None  # structured-output tools the answer is held to (structured_output_rounds)
 
 
 def _model_folder(model: str) -> Path:
@@ -272,6 +273,13 @@ class ChatKVMemory(BaseChatModel):
     repeats a call when allowed several) at most one. Also per call / bind. ``max_tokens`` counts
     the tokens the model chooses: tokens the grammar fixes (call wrappers, a forced name) are not
     charged (``response_metadata["grammar_fixed_tokens"]``)."""
+    structured_output_rounds: int = Field(default=1, ge=0)
+    """With a structured-output tool bound next to other tools (a schema-only tool, as LangChain's
+    ``create_agent(..., response_format=ToolStrategy(Schema))`` binds): once this many tool rounds
+    (AIMessages calling other tools) follow the last user message, a call under
+    ``tool_choice="any"``/``"auto"`` must call the structured-output tool, so the agent ends with
+    its structured response; before that the model chooses among all bound tools. Raise it for
+    models that chain several calls; 0 answers with the schema at once."""
     prompt_lookup: int = Field(default=PROMPT_LOOKUP_TOKENS, ge=0)
     """Greedy decoding checks this many draft tokens per forward, copied from what followed the
     answer's last tokens earlier in the conversation (prompt lookup, as llama.cpp's lookup
@@ -599,10 +607,13 @@ class ChatKVMemory(BaseChatModel):
         messages, stops, answer length, timeout, thread id and the thread's cache slot.
 
         Raises:
-            MessageError: no messages. InputError / InputTypeError: bad or unknown per-call settings.
+            MessageError: no messages, or a malformed tool history (a ToolMessage answering no earlier
+                call, a tool call left unanswered). InputError / InputTypeError: bad or unknown
+                per-call settings.
         """
         if not messages:
             raise MessageError("no messages: pass at least one message (e.g. a HumanMessage)")
+        check_tool_history(messages)
         reject_unknown(kwargs, CALL_KEYS | set(Sampling.names()), "call keyword arguments")
         _check_call_settings(kwargs.get("repair_policy"), kwargs.get("max_tokens"), kwargs.get("temperature"),
                              kwargs.get("timeout"))
@@ -614,7 +625,10 @@ class ChatKVMemory(BaseChatModel):
         requested = response_schema(kwargs.get("response_format"))
         schema = requested[1] if requested else None
         scored = False
-        if choice == "auto" and self.auto_tool_calls in ("after_user", "scored"):
+        grammar_tools = self._answer_tools(messages, tools, choice, kwargs.get("structured_output_tools"))
+        if grammar_tools is not None:
+            choice = "required"  # the rounds are spent: the answer is the structured-output call
+        elif choice == "auto" and self.auto_tool_calls in ("after_user", "scored"):
             # the ReAct policy: a call after a user turn; after a tool result, the answer (JSON when asked)
             choice = "required" if isinstance(messages[-1], HumanMessage) else ("none" if requested else "auto")
             # scored: a user turn after a tool round calls only when the model rates a call likely
@@ -631,7 +645,7 @@ class ChatKVMemory(BaseChatModel):
                             prompt_head_tokens(tokenizer, prompt.messages, tools), self.cache_slots)
         return _Call(
             model_name=model_name, runtime=runtime, tools=tools, choice=choice,
-            grammar=None if scored else self._grammar(runtime, tools, choice, requested, parallel),
+            grammar=None if scored else self._grammar(runtime, grammar_tools or tools, choice, requested, parallel),
             messages=session_messages,
             stops=_checked_stops(stop if stop is not None else self.stop),
             max_tokens=int(kwargs.get("max_tokens") or self.max_tokens),
@@ -639,8 +653,20 @@ class ChatKVMemory(BaseChatModel):
             prompt=prompt, requested=requested, parallel=parallel, scored=scored,
             has_tool_results=any(isinstance(m, ToolMessage) for m in messages), sampling=sampling,
             fixed_allowance=FIXED_TOKEN_ALLOWANCE if (tools or requested) else 0,
-            seed=kwargs.get("seed", self.seed),
+            seed=kwargs.get("seed", self.seed), answer_tools=[t["function"]["name"] for t in grammar_tools or []],
         )
+
+    def _answer_tools(self, messages: Sequence[BaseMessage], tools, choice: str | None,
+                      structured: Sequence[str] | None) -> list[dict[str, Any]] | None:
+        """The structured-output tools the answer must call (see ``structured_output_rounds``),
+        or None when the model still chooses: no such tool bound, no other tool bound, a choice
+        other than ``"required"``/``"auto"``, or fewer tool rounds since the last user message."""
+        if not structured or choice not in ("required", "auto"):
+            return None
+        answer = [t for t in tools if t["function"]["name"] in structured]
+        if not answer or len(answer) == len(tools):
+            return None
+        return answer if _tool_rounds(messages, structured) >= self.structured_output_rounds else None
 
     @staticmethod
     def _reserve_tokens(call: "_Call", registry: ThreadCaches) -> int:
@@ -723,6 +749,9 @@ class ChatKVMemory(BaseChatModel):
         metadata = result["metadata"]
         metadata["cache_slot"] = call.thread_id
         metadata["grammar_fixed_tokens"] = budget.fixed(watcher.count)
+        if call.answer_tools:
+            metadata["tool_policy"] = {"policy": "structured_output", "choice": call.answer_tools,
+                                       "rounds": self.structured_output_rounds}
         if call.scored:
             metadata["tool_policy"] = {"policy": "scored", "choice": call.choice, "call_gap_nats": call.call_gap,
                                        "margin_nats": self.call_margin}
@@ -777,6 +806,10 @@ class ChatKVMemory(BaseChatModel):
                 ``{"type": "function", "function": {"name": ...}}`` (that tool), ``"none"`` (no
                 call). Forced calls are decoded under an xgrammar grammar, so they always parse.
 
+        A schema-only tool (a ``StructuredTool`` without a function, as LangChain's ``ToolStrategy``
+        binds its response schema) bound next to other tools is the structured-output tool: after
+        ``structured_output_rounds`` tool rounds the answer must call it, so the agent ends.
+
         Raises:
             InputTypeError: ``tools`` is not a list. InputError: a tool LangChain cannot convert, or
                 ``tool_choice`` names a tool that is not bound.
@@ -790,6 +823,9 @@ class ChatKVMemory(BaseChatModel):
             except (ValueError, TypeError) as exc:
                 raise InputError(f"tool {i} ({type(tool).__name__}) cannot be bound: {exc}".strip()) from exc
         kwargs["tool_choice"] = normalize_tool_choice(tool_choice, formatted)
+        structured = [t.name for t in tools if _is_schema_tool(t)]
+        if structured:
+            kwargs.setdefault("structured_output_tools", structured)
         return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(self, schema: dict | type | None = None, *,
@@ -832,6 +868,23 @@ class ChatKVMemory(BaseChatModel):
         parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
         fallback = RunnablePassthrough.assign(parsed=lambda _: None)
         return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
+
+def _is_schema_tool(tool: Any) -> bool:
+    """A tool that only describes arguments and runs nothing: the structured-output tool
+    LangChain's ``ToolStrategy`` binds (a ``StructuredTool`` with neither ``func`` nor ``coroutine``)."""
+    return isinstance(tool, StructuredTool) and tool.func is None and tool.coroutine is None
+
+
+def _tool_rounds(messages: Sequence[BaseMessage], structured: Sequence[str]) -> int:
+    """AIMessages calling a tool other than the ``structured`` ones since the last user message."""
+    rounds = 0
+    for message in reversed(messages):
+        if isinstance(message, HumanMessage):
+            break
+        if isinstance(message, AIMessage) and any(c["name"] not in structured for c in message.tool_calls):
+            rounds += 1
+    return rounds
 
 
 def _erase_everywhere(registry: ThreadCaches, thread_id: str, slot: str, session, report) -> dict | None:

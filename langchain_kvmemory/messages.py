@@ -77,6 +77,41 @@ def to_session_messages(
     return out
 
 
+def check_tool_history(messages: Sequence[BaseMessage]) -> None:
+    """Refuse a tool history a chat API would refuse (OpenAI does): every ToolMessage answers a
+    call of an earlier AIMessage, and every call of an AIMessage is answered by a ToolMessage
+    before the next other message (or the end of the list).
+
+    Raises:
+        MessageError: naming the offending message's index and the fix.
+    """
+    called: set[str] = set()
+    pending: dict[str, tuple[int, str]] = {}  # open call id -> (index of its AIMessage, tool name)
+    for index, message in enumerate(messages):
+        if isinstance(message, ToolMessage):
+            if message.tool_call_id not in called:
+                raise MessageError(
+                    f"ToolMessage at index {index} answers tool_call_id {message.tool_call_id!r}, which no earlier "
+                    "AIMessage called: pass the AIMessage with that tool call before it, or drop the ToolMessage")
+            pending.pop(message.tool_call_id, None)
+            continue
+        _refuse_unanswered(pending, f"the {type(message).__name__} at index {index}")
+        if isinstance(message, AIMessage):
+            calls = [c for c in message.tool_calls if c.get("id")]
+            called.update(c["id"] for c in calls)
+            pending = {c["id"]: (index, c["name"]) for c in calls}
+    _refuse_unanswered(pending, "the end of the messages")
+
+
+def _refuse_unanswered(pending: dict[str, tuple[int, str]], before: str) -> None:
+    if pending:
+        call_id, (index, name) = next(iter(pending.items()))
+        raise MessageError(
+            f"AIMessage at index {index} calls {name!r} (tool_call_id {call_id!r}) but no ToolMessage answers it "
+            f"before {before}: add ToolMessage(..., tool_call_id={call_id!r}) right after the AIMessage, or drop "
+            "the tool call")
+
+
 def session_message(message: BaseMessage, template_tools: bool) -> dict[str, Any]:
     """One LangChain message as a kvmemory message dict (see :func:`to_session_messages`)."""
     return _convert(message, template_tools)
