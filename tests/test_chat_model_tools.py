@@ -151,3 +151,30 @@ def test_provider_strategy_with_a_tool_calls_then_answers_in_the_schema(real):
     assert out["messages"][1].tool_calls[0]["name"] == "get_weather"
     report = out["structured_response"]
     assert isinstance(report, WeatherReport) and report.city == "Paris"
+
+
+# ------------------------------------------------------------- calls without the tags
+@pytest.mark.parametrize("text", [
+    '{"name": "weather", "arguments": {"city": "Lyon"}}',
+    '```json\n{"name": "weather", "arguments": {"city": "Lyon"}}\n```',
+    '  ```\n[{"name": "weather", "arguments": {"city": "Lyon"}}]\n```\n',
+])
+def test_a_call_written_without_tags_is_a_call(text):
+    from langchain_kvmemory.tool_calls import bare_calls
+
+    calls = bare_calls(text, {"weather"})
+    assert [(c["name"], c["args"]) for c in calls] == [("weather", {"city": "Lyon"})]
+    assert calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize("text", [
+    'Sure: {"name": "weather", "arguments": {"city": "Lyon"}}',  # prose around it
+    '{"name": "forecast", "arguments": {"city": "Lyon"}}',  # not a bound tool
+    '{"name": "weather", "arguments": "Lyon"}',  # arguments not an object
+    '{"name": "weather", "arguments": {}, "note": 1}',  # other keys: an answer in JSON, not a call
+    '{"name": "weather", "arguments": {"city": "Lyon"}}\n{"name": "weather", "arguments": {}}',  # not one JSON value
+])
+def test_text_that_is_not_only_a_call_stays_text(text):
+    from langchain_kvmemory.tool_calls import bare_calls
+
+    assert bare_calls(text, {"weather"}) == []

