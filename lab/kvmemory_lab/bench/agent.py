@@ -40,6 +40,7 @@ from kvmemory.policy import RepairPolicy
 from kvmemory.prompt import format_call, normalize_messages, render_text, template_renders_tools
 
 from ..demo_cases import HOTPOT_FILE, SYSTEM_PROMPT, DemoCase, Passage, default_data_dir, hotpot_cases
+from ..gguf_models import resolve_model
 from .agent_systems import (
     KVMemorySystem, LlamaCppSystem, ModelPool, ReprefillSystem, llama_cpp_missing,
 )
@@ -75,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(llama-cpp-python's default 10; 0: only plain llama.cpp)")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp CPU threads (default 2)")
     parser.add_argument("--quick", action="store_true", help="context 768, 1 trial, 4-token answers, 8-token decode (a fast check)")
-    parser.add_argument("--model", default=None, help="local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="a .gguf file (llama.cpp runs it too), a local transformers model folder, "
+                        "or qwen2.5-coder-0.5b / qwen2.5-coder-1.5b (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--gguf", type=Path, default=None,
                         help="GGUF for llama.cpp (default: the embedded model's packaged Q4_1 GGUF, without --model)")
     parser.add_argument("--data", type=Path, default=None, help="shared data folder holding hotpotqa/ (default ../shared/data)")
@@ -232,6 +234,9 @@ def run(args, console) -> int:
         return 2
     torch.set_num_threads(args.threads)
     loadavg_start = load_average()
+    args.model = resolve_model(args.model)
+    if args.gguf is None and str(args.model or "").endswith(".gguf"):
+        args.gguf = Path(args.model)  # llama.cpp runs the very file kvmemory converted
     pool = ModelPool(args.model)
     tokenizer = pool.get(args.dtype).tokenizer
     room = pool.get(args.dtype).model.config.get_text_config().max_position_embeddings
