@@ -1,9 +1,11 @@
 """kvmemory's execution engine: which code computes a model's new cache rows.
 
 ``"transformers"``: the model's own forward (every model; the reference).
-``"q4_1"``: :class:`~kvmemory.engine.llama.QuantizedLlama`, a Llama-family forward over the GGUF
+``"q4_1"``: :class:`~kvmemory.engine.llama.QuantizedLlama`, a Llama / Qwen2 forward over the GGUF
 blocks the model's weights were dequantized from, writing a pre-allocated cache. Same weights,
 1/5 of the bytes per decoded token; results equal to transformers' up to fp32 summation order.
+Named after the embedded model's blocks, it reads Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0
+tensors (:mod:`.gguf_blocks`).
 ``"q4_1_int8"``: the same engine with int8 activations on its block path (decoded tokens and short
 appends, as llama.cpp does): each linear's input is rounded to int8 per 32 values and multiplied
 with VNNI integer dot products. Same weights, lossy activations (see docs/engine.md for the
@@ -33,10 +35,11 @@ instead (:func:`engine_for`), and :func:`status` says which and why.
 from __future__ import annotations
 
 from .interface import BlockLinears, Engine, EngineStatus, ForwardResult
-from .quantized import KernelUnavailableError, Q4Linear, Q8Linear, kernel, kernel_isa, load_gguf_blocks
+from .gguf_blocks import load_gguf_blocks
+from .quantized import FusedBlocks, KernelUnavailableError, Q4Linear, Q8Linear, kernel, kernel_isa
 from .registry import BLOCK_ENGINES, ENGINES, attach, engine_for, forward_rows, status
 
 __all__ = [
-    "BLOCK_ENGINES", "ENGINES", "BlockLinears", "Engine", "EngineStatus", "ForwardResult", "KernelUnavailableError",
-    "Q4Linear", "Q8Linear", "attach", "engine_for", "forward_rows", "kernel", "kernel_isa", "load_gguf_blocks", "status",
+    "BLOCK_ENGINES", "ENGINES", "BlockLinears", "Engine", "EngineStatus", "ForwardResult", "FusedBlocks",
+    "KernelUnavailableError", "Q4Linear", "Q8Linear", "attach", "engine_for", "forward_rows", "kernel", "kernel_isa", "load_gguf_blocks", "status",
 ]

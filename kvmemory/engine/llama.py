@@ -1,4 +1,4 @@
-"""The quantized Llama engine: the model's forward over GGUF blocks, writing a pre-allocated cache.
+"""The quantized Llama / Qwen2 engine: the model's forward over GGUF blocks, writing a pre-allocated cache.
 
 One call, :meth:`QuantizedLlama.forward_rows`, computes rows ``[start, start+n)`` of every layer
 against the cached rows ``[0, start)`` and appends them: a decoded token (n = 1), a draft to check,
@@ -7,9 +7,9 @@ cache are all this call. It computes what transformers' ``LlamaForCausalLM`` com
 same weights:
 
 - short inputs (fewer than ``dense_from_rows``: 96 rows exact, 24 with a lossy setting) run in one
-  C++ call through every layer (``LlamaDecoder.step`` / ``rows``): linears on the Q4_1 / Q8_0
-  blocks the weights were dequantized from (verified equal when the engine is built), the
-  model's norm weights, rotary angles from the model's own module, grouped-query attention over
+  C++ call through every layer (``LlamaDecoder.step`` / ``rows``): linears on the GGUF blocks
+  the weights were dequantized from (:mod:`.gguf_blocks`; verified equal when the engine is
+  built; Qwen2's q/k/v biases added), the model's norm weights, rotary angles from the model's own module, grouped-query attention over
   the cached rows (causal within the new rows);
 - long ones (prefill), where FLOPs bound the time, run layer by layer on the model's own dense
   fp32 weights (or bf16 copies) and its norm modules, with SDPA.
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's is the same function
 
 from .base import BufferedEngine
 from .buffers import CacheBuffers
 from .interface import BlockLinears
-from .quantized import Q4Linear, Q8Linear, kernel, on_huge_pages
+from .quantized import FusedBlocks, Q4Linear, Q8Linear, kernel, on_huge_pages
 
 # Inputs of this many rows or more run layer by layer on the dense weights (compute-bound GEMMs);
 # fewer run in one call on the blocks. The exact engine's crossover, measured on its kernels: 43
@@ -44,24 +44,35 @@ EXACT_DENSE_FROM_ROWS = 96
 
 @dataclass
 class _Layer:
-    qkv: Q4Linear  # fused q, k, v rows (transformers' row order)
-    o: Q4Linear
-    gate_up: Q4Linear  # fused gate, up rows
-    down: Q4Linear
+    qkv: FusedBlocks  # fused q, k, v rows (transformers' row order) and their biases (Qwen2)
+    o: FusedBlocks
+    gate_up: FusedBlocks  # fused gate, up rows
+    down: FusedBlocks
     module: torch.nn.Module  # the transformers decoder layer: norms and dense weights
+
+    def __post_init__(self):  # a plain block linear is a fused one of one part
+        for name in ("qkv", "o", "gate_up", "down"):
+            if not isinstance(getattr(self, name), FusedBlocks):
+                setattr(self, name, FusedBlocks.of([getattr(self, name)]))
+
+    def linears(self) -> list[FusedBlocks]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class QuantizedLlama(BufferedEngine):
-    """A Llama-family decoder on GGUF blocks (see the module docstring), an
+    """A Llama / Qwen2 decoder on GGUF blocks (see the module docstring), an
     :class:`~kvmemory.engine.interface.Engine`. Build with :func:`kvmemory.engine.attach`, which
     verifies the blocks against the model's weights."""
 
-    def __init__(self, model, layers: list[_Layer], head: Q8Linear, int8_activations: bool = False,
-                 bf16_prefill: bool = False):
+    def __init__(self, model, layers: list[_Layer], head: FusedBlocks | Q4Linear | Q8Linear,
+                 int8_activations: bool = False, bf16_prefill: bool = False):
         text = model.config.get_text_config()
-        moved = on_huge_pages([q for layer in layers for q in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head])
-        self.layers = [_Layer(*moved[4 * i:4 * i + 4], layer.module) for i, layer in enumerate(layers)]
-        self.head = moved[-1]
+        head = head if isinstance(head, FusedBlocks) else FusedBlocks.of([head])
+        fused = [f for layer in layers for f in layer.linears()] + [head]
+        moved = iter(on_huge_pages([p for f in fused for p in f.parts]))
+        fused = [FusedBlocks([next(moved) for _ in f.parts], f.bias) for f in fused]
+        self.layers = [_Layer(*fused[4 * i:4 * i + 4], layer.module) for i, layer in enumerate(layers)]
+        self.head = fused[-1]
         self.int8 = int8_activations  # the block path (decode, short appends, head) rounds activations to int8
         self.kind = "q4_1" + ("_int8" if int8_activations else "") + ("_bf16" if bf16_prefill else "")
         self.dense_from_rows = DENSE_FROM_ROWS if int8_activations or bf16_prefill else EXACT_DENSE_FROM_ROWS
@@ -81,15 +92,12 @@ class QuantizedLlama(BufferedEngine):
     def _decoder(self):
         """The compiled one-token decoder over the same blocks and the model's norm weights."""
 
-        def triples(name):
-            return [t for layer in self.layers for b in [getattr(layer, name)] for t in (b.codes, b.scales, b.mins)]
-
+        linears = [f.kernel_tensors() for layer in self.layers for f in layer.linears()]
         norms_in = [l.module.input_layernorm.weight.detach() for l in self.layers]
         norms_post = [l.module.post_attention_layernorm.weight.detach() for l in self.layers]
         eps = self.layers[0].module.input_layernorm.variance_epsilon
         return self.lib.LlamaDecoder(
-            triples("qkv"), triples("o"), triples("gate_up"), triples("down"), norms_in, norms_post,
-            self.model.model.norm.weight.detach(), self.head.codes, self.head.scales,
+            linears, norms_in, norms_post, self.model.model.norm.weight.detach(), self.head.kernel_tensors(),
             self.heads, self.kv_heads, self.head_dim, float(eps), float(self.scale), self.int8,
         )
 
@@ -98,7 +106,7 @@ class QuantizedLlama(BufferedEngine):
         """Bytes the engine holds besides the model: the blocks (codes + fp32 scales) and, with a
         bf16 prefill, the bf16 weight copies."""
         copies = sum(w.numel() * w.element_size() for d in self.bf16 or [] for w in d.values())
-        return copies + self.head.nbytes + sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes for l in self.layers)
+        return copies + self.head.nbytes + sum(f.nbytes for l in self.layers for f in l.linears())
 
     def block_linears(self, rows: int) -> BlockLinears | None:
         """This engine's linears on its blocks, as :meth:`forward_rows` runs them for short inputs
@@ -181,7 +189,7 @@ class QuantizedLlama(BufferedEngine):
             return self._layer_bf16(layer, bf16, hidden, keys, values, start, cos, sin, mask)
         attn, mlp = module.self_attn, module.mlp
         x = module.input_layernorm(hidden)
-        q, k, v = (F.linear(x, p.weight) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = (F.linear(x, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         out = self._self_attention(q, k, v, keys, values, start, cos, sin, mask)
         hidden = hidden + F.linear(out, attn.o_proj.weight)
         x = module.post_attention_layernorm(hidden)
@@ -208,7 +216,7 @@ class QuantizedLlama(BufferedEngine):
         module = layer.module
         attn = module.self_attn
         sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        q, k, v = _bf16_linear(module.input_layernorm(hidden), weights["qkv"]).split(sizes, dim=-1)
+        q, k, v = _bf16_linear(module.input_layernorm(hidden), weights["qkv"], layer.qkv.bias).split(sizes, dim=-1)
         out = self._self_attention(q, k, v, keys, values, start, cos, sin, mask)
         hidden = hidden + _bf16_linear(out, weights["o"])
         gate, up = _bf16_linear(module.post_attention_layernorm(hidden), weights["gate_up"]).split(
@@ -224,8 +232,9 @@ def _bf16_weights(module) -> dict[str, torch.Tensor]:
     return {name: torch.cat([m.weight.detach() for m in mods]).to(torch.bfloat16).contiguous() for name, mods in fused.items()}
 
 
-def _bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.to(torch.bfloat16), weight).float()
+def _bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = F.linear(x.to(torch.bfloat16), weight).float()
+    return y if bias is None else y + bias
 
 
 def _causal_mask(start: int, n: int) -> torch.Tensor | None:

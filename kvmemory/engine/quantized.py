@@ -21,7 +21,6 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import EngineUnsupportedError
@@ -30,9 +29,7 @@ from .buffers import huge_pages
 
 log = logging.getLogger(__name__)
 
-BLOCK = 32  # weights per block (both formats)
-Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 4-bit codes
-Q8_0_BYTES = 34  # fp16 d, 32 signed bytes
+BLOCK = 32  # weights per block (both forms; Q6_K's byte codes have a scale per 16)
 
 # The kernel's instruction sets, best first, and the compiler flags of each. "portable": the
 # compiler's default target (baseline x86-64, or the platform's default elsewhere, e.g. ARM).
@@ -205,19 +202,11 @@ class Q4Linear:
         """One weight whose output rows are ``parts``' rows in order (fused QKV, gate-up)."""
         return Q4Linear(*(torch.cat([getattr(p, f) for p in parts]).contiguous() for f in ("codes", "scales", "mins")))
 
-    @classmethod
-    def from_gguf(cls, raw: np.ndarray) -> "Q4Linear":
-        """``raw``: the GGUF tensor's bytes, uint8 ``[out, in/32*20]``."""
-        blocks = torch.from_numpy(np.array(raw, copy=True)).view(raw.shape[0], -1, Q4_1_BYTES)
-        scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
-        mins = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
-        codes = blocks[..., 4:].reshape(raw.shape[0], -1).contiguous()
-        return cls(codes, scales.contiguous(), mins.contiguous())
-
 
 @dataclass
 class Q8Linear:
-    """Q8_0 weight ``[out, in]``: ``codes`` int8 ``[out, in]``, ``scales`` fp32 ``[out, in/32]``."""
+    """Byte-code weight ``[out, in]``: ``codes`` int8 ``[out, in]``, ``scales`` fp32 ``[out, in/32]``
+    (Q8_0, Q5_0) or ``[out, in/16]`` (Q6_K's 16-value sub-blocks); w = scale * code."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -237,16 +226,72 @@ class Q8Linear:
             return lib.q8_0_linear_i8(x.contiguous(), self.codes, self.scales)
         return lib.q8_0_linear(x.contiguous(), self.codes, self.scales)
 
+    @property
+    def block(self) -> int:
+        """Weights per scale: 32, or 16 (Q6_K)."""
+        return self.codes.shape[1] // self.scales.shape[1]
+
     def dequantize(self) -> torch.Tensor:
         out, width = self.shape
-        return (self.codes.view(out, -1, BLOCK).float() * self.scales[..., None]).reshape(out, width)
+        return (self.codes.view(out, -1, self.block).float() * self.scales[..., None]).reshape(out, width)
+
+    def rows(self, index: torch.Tensor) -> "Q8Linear":
+        return Q8Linear(self.codes[index].contiguous(), self.scales[index].contiguous())
+
+    @staticmethod
+    def concat(parts: list["Q8Linear"]) -> "Q8Linear":
+        """One weight whose output rows are ``parts``' rows in order (same block size)."""
+        return Q8Linear(*(torch.cat([getattr(p, f) for p in parts]).contiguous() for f in ("codes", "scales")))
+
+
+@dataclass
+class FusedBlocks:
+    """One linear of the engine: output rows of ``parts`` one after another (q, k, v or gate, up
+    fused; adjacent parts of one form are concatenated, a file may quantize them differently),
+    plus an optional fp32 ``bias`` ``[out]`` (Qwen2's q/k/v biases)."""
+
+    parts: list
+    bias: torch.Tensor | None = None
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray) -> "Q8Linear":
-        blocks = torch.from_numpy(np.array(raw, copy=True)).view(raw.shape[0], -1, Q8_0_BYTES)
-        scales = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0].float().contiguous()
-        codes = blocks[..., 2:].reshape(raw.shape[0], -1).contiguous().view(torch.int8)
-        return cls(codes, scales)
+    def of(cls, linears: list, bias: torch.Tensor | None = None) -> "FusedBlocks":
+        parts: list = []
+        for linear in linears:
+            if parts and _same_form(parts[-1], linear):
+                parts[-1] = type(linear).concat([parts[-1], linear])
+            else:
+                parts.append(linear)
+        return cls(parts, None if bias is None else bias.detach().float().contiguous())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts) + (0 if self.bias is None else self.bias.numel() * 4)
+
+    @property
+    def has_halves(self) -> bool:
+        """Whether a part has 16-value blocks (no int8-activation kernel for them)."""
+        return any(isinstance(p, Q8Linear) and p.block == 16 for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, int8: bool = False, lib=None) -> torch.Tensor:
+        """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]`` (``int8``, ``lib`` as for :class:`Q4Linear`)."""
+        outs = [p(x, int8=int8, lib=lib) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def kernel_tensors(self) -> list[torch.Tensor]:
+        """(codes, scales, mins) per part (an empty mins for byte codes), then the bias if any: the
+        compiled decoder's form of this linear."""
+        empty = torch.empty(0)
+        tensors = [t for p in self.parts for t in (p.codes, p.scales, getattr(p, "mins", empty))]
+        return tensors + ([self.bias] if self.bias is not None else [])
+
+
+def _same_form(a, b) -> bool:
+    return type(a) is type(b) and (not isinstance(a, Q8Linear) or a.block == b.block)
 
 
 def on_huge_pages(linears: list) -> list:
@@ -266,64 +311,3 @@ def on_huge_pages(linears: list) -> list:
         offset += size
     parts = iter(moved)
     return [type(lin)(*(next(parts) for _ in dataclasses.fields(lin))) for lin in linears]
-
-
-def load_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | torch.Tensor]:
-    """:func:`read_gguf_blocks`, through a safetensors copy in kvmemory's cache folder (parsing
-    the GGUF's metadata takes ~10 s; the copy loads in well under a second). The copy is keyed
-    by the file's name, size and modification time and written atomically."""
-    from safetensors.torch import load_file, save_file
-
-    stat = path.stat()
-    copy = cache_root() / "blocks" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}.safetensors"
-    if copy.is_file():
-        return _from_flat(load_file(str(copy)))
-    blocks = read_gguf_blocks(path)
-    copy.parent.mkdir(parents=True, exist_ok=True)
-    partial = copy.with_suffix(f".{os.getpid()}.partial")
-    save_file(_to_flat(blocks), str(partial))
-    os.replace(partial, copy)
-    return blocks
-
-
-def _to_flat(blocks: dict) -> dict[str, torch.Tensor]:
-    flat = {}
-    for name, value in blocks.items():
-        if isinstance(value, Q4Linear):
-            flat.update({f"{name}:q4.codes": value.codes, f"{name}:q4.scales": value.scales, f"{name}:q4.mins": value.mins})
-        elif isinstance(value, Q8Linear):
-            flat.update({f"{name}:q8.codes": value.codes, f"{name}:q8.scales": value.scales})
-        else:
-            flat[f"{name}:f32"] = value.contiguous()
-    return flat
-
-
-def _from_flat(flat: dict[str, torch.Tensor]) -> dict:
-    blocks: dict = {}
-    for key in flat:
-        name, kind = key.split(":")
-        if kind == "f32":
-            blocks[name] = flat[key]
-        elif kind == "q4.codes":
-            blocks[name] = Q4Linear(flat[key], flat[f"{name}:q4.scales"], flat[f"{name}:q4.mins"])
-        elif kind == "q8.codes":
-            blocks[name] = Q8Linear(flat[key], flat[f"{name}:q8.scales"])
-    return blocks
-
-
-def read_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | torch.Tensor]:
-    """Every tensor of a GGUF file by its GGUF name: Q4_1 / Q8_0 as blocks, F32 as tensors.
-    Other block formats are skipped (the caller finds them missing and says so)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    out: dict[str, Q4Linear | Q8Linear | torch.Tensor] = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind == "Q4_1":
-            out[t.name] = Q4Linear.from_gguf(t.data)
-        elif kind == "Q8_0":
-            out[t.name] = Q8Linear.from_gguf(t.data)
-        elif kind == "F32":
-            out[t.name] = torch.from_numpy(np.array(t.data, dtype=np.float32))
-    return out

@@ -1,5 +1,7 @@
-// Linears over GGUF Q4_1 / Q8_0 weight blocks, computed in fp32 (CPU), and the same with int8
-// activations (VNNI; below).
+// Linears over GGUF weight blocks in two forms, computed in fp32 (CPU), and the same with int8
+// activations (VNNI; below). Other GGUF block types are read into these forms exactly (same
+// weight values, see kvmemory/engine/quantized.py): Q4_K and Q4_0 as Q4_1 blocks with fp32
+// scale and min per 32 weights, Q5_0 as Q8_0 blocks, Q6_K as byte codes with a scale per 16.
 //
 // A Q4_1 block holds 32 weights of one output row as w_j = d * q_j + m (q_j a 4-bit code; bytes
 // 0..15 hold codes 0..15 in their low nibbles and codes 16..31 in their high nibbles, as in GGUF).
@@ -405,6 +407,103 @@ void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const fl
   }
 }
 
+// Q8 codes with one scale per 16 weights (w_j = d * q_j): Q6_K's layout (16-value sub-blocks,
+// each with its own scale) read exactly, its 6-bit codes widened to signed bytes. Same loop
+// shapes as the Q8_0 kernels above, one scale per 16 lanes.
+constexpr int64_t kHalf = 16;
+
+void q8_16_rows_single(const float* x, int64_t K, const int8_t* codes, const float* d, float* y,
+                       int64_t row_begin, int64_t row_end) {
+  const int64_t nb = K / kHalf;
+  int64_t o = row_begin;
+#if defined(KVMEMORY_AVX512)
+  for (; o + 4 <= row_end; o += 4) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 xb = _mm512_loadu_ps(x + b * kHalf);
+      if ((b & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+      for (int r = 0; r < 4; ++r) {
+        const int8_t* q = codes + (o + r) * K + b * kHalf;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[(o + r) * nb + b]), _mm512_mul_ps(a, xb), acc[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
+  }
+#elif defined(KVMEMORY_AVX2)
+  for (; o + 4 <= row_end; o += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 x0 = _mm256_loadu_ps(x + b * kHalf), x1 = _mm256_loadu_ps(x + b * kHalf + 8);
+      if ((b & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+      for (int r = 0; r < 4; ++r) {
+        const int8_t* q = codes + (o + r) * K + b * kHalf;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
+        const __m256 t = _mm256_fmadd_ps(q8_codes8(q + 8), x1, _mm256_mul_ps(q8_codes8(q), x0));
+        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[(o + r) * nb + b]), t, acc[r]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
+  }
+#endif
+  for (; o < row_end; ++o) {
+    float total = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float dot = 0.f;
+      for (int64_t j = 0; j < kHalf; ++j) dot += float(codes[o * K + b * kHalf + j]) * x[b * kHalf + j];
+      total += d[o * nb + b] * dot;
+    }
+    y[o] = total;
+  }
+}
+
+void q8_16_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* d, float* y, int64_t N,
+                int64_t row_begin, int64_t row_end) {
+  const int64_t nb = K / kHalf;
+  for (int64_t o = row_begin; o < row_end; ++o) {
+    const int8_t* q = codes + o * K;
+    const float* dr = d + o * nb;
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
+      const int64_t mc = std::min(kMaxM, M - m0);
+#if defined(KVMEMORY_AVX512)
+      __m512 acc[kMaxM];
+      for (int64_t i = 0; i < mc; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512 a = _mm512_mul_ps(
+            _mm512_set1_ps(dr[b]),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * kHalf)))));
+        for (int64_t i = 0; i < mc; ++i) acc[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + (m0 + i) * K + b * kHalf), acc[i]);
+      }
+      for (int64_t i = 0; i < mc; ++i) y[(m0 + i) * N + o] = hsum(acc[i]);
+#elif defined(KVMEMORY_AVX2)
+      __m256 acc[kMaxM];
+      for (int64_t i = 0; i < mc; ++i) acc[i] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m256 scale = _mm256_set1_ps(dr[b]);
+        const __m256 a0 = _mm256_mul_ps(scale, q8_codes8(q + b * kHalf)), a1 = _mm256_mul_ps(scale, q8_codes8(q + b * kHalf + 8));
+        for (int64_t i = 0; i < mc; ++i) {
+          const float* xb = x + (m0 + i) * K + b * kHalf;
+          acc[i] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(xb + 8), _mm256_fmadd_ps(a0, _mm256_loadu_ps(xb), acc[i]));
+        }
+      }
+      for (int64_t i = 0; i < mc; ++i) y[(m0 + i) * N + o] = hsum(acc[i]);
+#else
+      for (int64_t i = 0; i < mc; ++i) {
+        const float* xr = x + (m0 + i) * K;
+        float total = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          float dot = 0.f;
+          for (int64_t j = 0; j < kHalf; ++j) dot += float(q[b * kHalf + j]) * xr[b * kHalf + j];
+          total += dr[b] * dot;
+        }
+        y[(m0 + i) * N + o] = total;
+      }
+#endif
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // int8 activations (opt-in, lossy like llama.cpp): each 32-value block of an activation row is
 // quantized once per linear input to signed bytes a_j with one fp32 scale e (x_j ~ e * a_j,
@@ -722,9 +821,17 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d,
   return y;
 }
 
-// x [M, K] fp32, codes int8 [N, K], d fp32 [N, K/32] -> y [M, N] fp32
+// x [M, K] fp32, codes int8 [N, K], d fp32 [N, K/32] (Q8_0, Q5_0) or [N, K/16] (Q6_K) -> y [M, N] fp32
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d) {
-  check_inputs(x, codes, d, kBlock);
+  const bool halves = d.dim() == 2 && x.dim() == 2 && d.size(1) * kHalf == x.size(1);
+  if (halves) {  // check_inputs on a [N, K/32] view of the shapes
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be a contiguous fp32 [M, K] tensor");
+    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == x.size(1), "codes must be contiguous [N, K]");
+    TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.size(0) == codes.size(0),
+                "scales must be contiguous fp32 [N, K/16]");
+  } else {
+    check_inputs(x, codes, d, kBlock);
+  }
   TORCH_CHECK(codes.scalar_type() == torch::kInt8, "Q8_0 codes must be int8");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
   auto y = torch::empty({M, N}, x.options());
@@ -733,7 +840,10 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d)
   const float* dp = d.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kRowsPerTask * 4, [&](int64_t begin, int64_t end) {
-    if (M == 1) {
+    if (halves) {
+      if (M == 1) q8_16_rows_single(xp, K, qp, dp, yp, begin, end);
+      else q8_16_rows(xp, M, K, qp, dp, yp, N, begin, end);
+    } else if (M == 1) {
       q8_rows_single(xp, K, qp, dp, yp, begin, end);
     } else {
       q8_rows(xp, M, K, qp, dp, yp, N, begin, end);
@@ -748,29 +858,96 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d)
 
 namespace {
 
-struct Q4Weight {
+// One linear's weight in one of the kernels' two block forms: 4-bit codes with a scale and a min
+// per 32 weights (uint8 codes: Q4_1, Q4_K, Q4_0 read exactly) or signed-byte codes with a scale
+// per 32 or 16 weights (int8 codes, `mins` empty: Q8_0, Q5_0, Q6_K).
+struct BlockWeight {
   torch::Tensor codes, scales, mins;
+  bool q4() const { return codes.scalar_type() == torch::kUInt8; }
+  bool halves() const { return !q4() && scales.size(1) * kHalf == codes.size(1); }
   int64_t out() const { return codes.size(0); }
-  // int8: x is quantized (see q4_1_linear_i8) into `scratch` first; xs is then unused
-  void apply(const float* x, int64_t K, float* y, const float* xs, bool int8, Q4Activation& scratch) const {
-    const uint8_t* qp = codes.data_ptr<uint8_t>();
-    const float *dp = scales.data_ptr<float>(), *mp = mins.data_ptr<float>();
+  // one row x [K] -> y [out]; xs: x's 32-value block sums (the Q4 form's factored min term).
+  // int8: x is quantized first (see q4_1_linear_i8) into the scratch of its form
+  void apply(const float* x, int64_t K, float* y, const float* xs, bool int8, Q4Activation& q4s, Q8Activation& q8s) const {
+    const float* dp = scales.data_ptr<float>();
+    if (q4()) {
+      const uint8_t* qp = codes.data_ptr<uint8_t>();
+      const float* mp = mins.data_ptr<float>();
+#if defined(KVMEMORY_VNNI)
+      if (int8) {
+        quantize_for_q4(x, K, q4s);
+        at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) { q4_rows_i8_single(q4s, K, qp, dp, mp, y, b, e); });
+        return;
+      }
+#endif
+      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) { q4_rows_single(x, K, qp, dp, mp, xs, y, b, e); });
+      return;
+    }
+    const int8_t* qp = codes.data_ptr<int8_t>();
+    if (halves()) {
+      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) { q8_16_rows_single(x, K, qp, dp, y, b, e); });
+      return;
+    }
 #if defined(KVMEMORY_VNNI)
     if (int8) {
-      quantize_for_q4(x, K, scratch);
-      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-        q4_rows_i8_single(scratch, K, qp, dp, mp, y, begin, end);
-      });
+      quantize_for_q8(x, K, q8s);
+      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) { q8_rows_i8_single(q8s, K, qp, dp, y, b, e); });
       return;
     }
 #endif
-    at::parallel_for(0, out(), kRowsPerTask, [&](int64_t begin, int64_t end) {
-      q4_rows_single(x, K, qp, dp, mp, xs, y, begin, end);
-    });
+    at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) { q8_rows_single(x, K, qp, dp, y, b, e); });
   }
   // x [n, K] -> [n, out] (every row through one pass over the blocks)
   torch::Tensor apply_rows(const torch::Tensor& x, bool int8) const {
-    return int8 ? q4_1_linear_i8(x, codes, scales, mins) : q4_1_linear(x, codes, scales, mins);
+    if (q4()) return int8 ? q4_1_linear_i8(x, codes, scales, mins) : q4_1_linear(x, codes, scales, mins);
+    return int8 && !halves() ? q8_0_linear_i8(x, codes, scales) : q8_0_linear(x, codes, scales);
+  }
+};
+
+// A fused linear (q/k/v, gate/up: the parts' output rows one after another, each part in its own
+// block form, as a file may quantize q, k and v differently) with an optional bias (Qwen2's q/k/v).
+struct FusedWeight {
+  std::vector<BlockWeight> parts;
+  torch::Tensor bias;  // [out] or empty
+
+  // tensors: (codes, scales, mins) per part, mins empty for the byte form; one more: the bias
+  explicit FusedWeight(const std::vector<torch::Tensor>& tensors) {
+    TORCH_CHECK(tensors.size() >= 3 && tensors.size() % 3 <= 1, "a linear comes as (codes, scales, mins) triples and an optional bias");
+    for (size_t i = 0; i + 2 < tensors.size(); i += 3) parts.push_back({tensors[i], tensors[i + 1], tensors[i + 2]});
+    if (tensors.size() % 3 == 1) bias = tensors.back();
+    TORCH_CHECK(!has_bias() || bias.numel() == out(), "the bias must have one value per output row");
+  }
+  bool has_bias() const { return bias.defined() && bias.numel() > 0; }
+  bool has_halves() const {
+    return std::any_of(parts.begin(), parts.end(), [](const BlockWeight& w) { return w.halves(); });
+  }
+  int64_t out() const {
+    int64_t total = 0;
+    for (const auto& w : parts) total += w.out();
+    return total;
+  }
+  void apply(const float* x, int64_t K, float* y, const float* xs, bool int8, Q4Activation& q4s, Q8Activation& q8s) const {
+    int64_t offset = 0;
+    for (const auto& w : parts) {
+      w.apply(x, K, y + offset, xs, int8, q4s, q8s);
+      offset += w.out();
+    }
+    if (has_bias()) {
+      const float* bp = bias.data_ptr<float>();
+      for (int64_t i = 0; i < offset; ++i) y[i] += bp[i];
+    }
+  }
+  torch::Tensor apply_rows(const torch::Tensor& x, bool int8) const {
+    torch::Tensor y;
+    if (parts.size() == 1) {
+      y = parts[0].apply_rows(x, int8);
+    } else {
+      std::vector<torch::Tensor> outs;
+      for (const auto& w : parts) outs.push_back(w.apply_rows(x, int8));
+      y = torch::cat(outs, 1);
+    }
+    if (has_bias()) y.add_(bias);
+    return y;
   }
 };
 
@@ -1135,22 +1312,25 @@ constexpr int kMaxGroup = 4;
 
 class LlamaDecoder {
  public:
-  LlamaDecoder(std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o, std::vector<torch::Tensor> gate_up,
-               std::vector<torch::Tensor> down, std::vector<torch::Tensor> input_norms,
-               std::vector<torch::Tensor> post_norms, torch::Tensor final_norm, torch::Tensor head_codes,
-               torch::Tensor head_scales, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-               bool int8_activations)
-      : input_norms_(input_norms), post_norms_(post_norms), final_norm_(final_norm), head_codes_(head_codes),
-        head_scales_(head_scales), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        int8_(int8_activations) {
+  // linears: per layer its qkv, o, gate_up and down (4 * layers entries), each as FusedWeight
+  // takes them; head: the output head the same way
+  LlamaDecoder(std::vector<std::vector<torch::Tensor>> linears, std::vector<torch::Tensor> input_norms,
+               std::vector<torch::Tensor> post_norms, torch::Tensor final_norm, std::vector<torch::Tensor> head,
+               int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool int8_activations)
+      : input_norms_(input_norms), post_norms_(post_norms), final_norm_(final_norm), head_(head), heads_(heads),
+        kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), int8_(int8_activations) {
     TORCH_CHECK(!int8_ || has_vnni(), "int8 activations need AVX-512 VNNI (this build has none)");
-    TORCH_CHECK(qkv.size() % 3 == 0 && o.size() == qkv.size() && gate_up.size() == qkv.size() && down.size() == qkv.size(), "weights come as (codes, scales, mins) triples");
-    for (size_t i = 0; i < qkv.size(); i += 3) {
-      qkv_.push_back({qkv[i], qkv[i + 1], qkv[i + 2]});
-      o_.push_back({o[i], o[i + 1], o[i + 2]});
-      gate_up_.push_back({gate_up[i], gate_up[i + 1], gate_up[i + 2]});
-      down_.push_back({down[i], down[i + 1], down[i + 2]});
+    TORCH_CHECK(linears.size() % 4 == 0 && linears.size() / 4 == input_norms.size(), "4 linears per layer");
+    for (size_t i = 0; i < linears.size(); i += 4) {
+      qkv_.emplace_back(linears[i]);
+      o_.emplace_back(linears[i + 1]);
+      gate_up_.emplace_back(linears[i + 2]);
+      down_.emplace_back(linears[i + 3]);
     }
+    for (const auto* group : {&qkv_, &o_, &gate_up_, &down_}) {
+      for (const auto& w : *group) TORCH_CHECK(!int8_ || !w.has_halves(), "int8 activations: no kernel for 16-value blocks (Q6_K)");
+    }
+    TORCH_CHECK(!int8_ || !head_.has_halves(), "int8 activations: no kernel for 16-value blocks (Q6_K)");
   }
 
   // hidden: [H] embedding of the token at row `pos`; keys / values: [layers, 1, kv_heads, capacity,
@@ -1169,11 +1349,12 @@ class LlamaDecoder {
     std::vector<float> x(std::max(H, inter)), qkv(q_width + 2 * kv_width), attn(q_width), out(std::max(H, 2 * inter)),
         sums(std::max({H, inter, q_width}) / kBlock + 1), act(inter);
     Q4Activation scratch;
+    Q8Activation scratch8;
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     for (int64_t l = 0; l < layers; ++l) {
       rms_norm(hp, input_norms_[l].data_ptr<float>(), H, eps_, x.data());
       sums_of_blocks(x.data(), H, sums.data());
-      qkv_[l].apply(x.data(), H, qkv.data(), sums.data(), int8_, scratch);
+      qkv_[l].apply(x.data(), H, qkv.data(), sums.data(), int8_, scratch, scratch8);
       float* q = qkv.data();
       float* k = q + q_width;
       float* v = k + kv_width;
@@ -1187,35 +1368,20 @@ class LlamaDecoder {
       }
       attend(q, kl, vl, capacity, pos + 1, attn.data());
       sums_of_blocks(attn.data(), q_width, sums.data());
-      o_[l].apply(attn.data(), q_width, out.data(), sums.data(), int8_, scratch);
+      o_[l].apply(attn.data(), q_width, out.data(), sums.data(), int8_, scratch, scratch8);
       for (int64_t i = 0; i < H; ++i) hp[i] += out[i];
       rms_norm(hp, post_norms_[l].data_ptr<float>(), H, eps_, x.data());
       sums_of_blocks(x.data(), H, sums.data());
-      gate_up_[l].apply(x.data(), H, out.data(), sums.data(), int8_, scratch);
+      gate_up_[l].apply(x.data(), H, out.data(), sums.data(), int8_, scratch, scratch8);
       silu_mul(out.data(), out.data() + inter, inter, act.data());
       sums_of_blocks(act.data(), inter, sums.data());
-      down_[l].apply(act.data(), inter, out.data(), sums.data(), int8_, scratch);
+      down_[l].apply(act.data(), inter, out.data(), sums.data(), int8_, scratch, scratch8);
       for (int64_t i = 0; i < H; ++i) hp[i] += out[i];
     }
     rms_norm(hp, final_norm_.data_ptr<float>(), H, eps_, x.data());
-    auto logits = torch::empty({head_codes_.size(0)}, hidden.options());
-    const int8_t* hq = head_codes_.data_ptr<int8_t>();
-    const float* hs = head_scales_.data_ptr<float>();
-    float* lp = logits.data_ptr<float>();
-    const float* xp = x.data();
-#if defined(KVMEMORY_VNNI)
-    if (int8_) {
-      Q8Activation a;
-      quantize_for_q8(xp, H, a);
-      at::parallel_for(0, head_codes_.size(0), kRowsPerTask * 4, [&](int64_t begin, int64_t end) {
-        q8_rows_i8_single(a, H, hq, hs, lp, begin, end);
-      });
-      return logits;
-    }
-#endif
-    at::parallel_for(0, head_codes_.size(0), kRowsPerTask * 4, [&](int64_t begin, int64_t end) {
-      q8_rows_single(xp, H, hq, hs, lp, begin, end);
-    });
+    auto logits = torch::empty({head_.out()}, hidden.options());
+    sums_of_blocks(x.data(), H, sums.data());
+    head_.apply(x.data(), H, logits.data_ptr<float>(), sums.data(), int8_, scratch, scratch8);
     return logits;
   }
 
@@ -1274,7 +1440,7 @@ class LlamaDecoder {
     const int64_t first = every_row ? 0 : n - 1;
     auto last = torch::empty({n - first, H}, h.options());
     norm_rows(hp + first * H, final_norm_, n - first, H, last.data_ptr<float>());
-    return int8_ ? q8_0_linear_i8(last, head_codes_, head_scales_) : q8_0_linear(last, head_codes_, head_scales_);
+    return head_.apply_rows(last, int8_);
   }
 
  private:
@@ -1437,9 +1603,10 @@ class LlamaDecoder {
     attend_rows(q, heads_ * head_dim_, keys, values, capacity, &last, 1, out);
   }
 
-  std::vector<Q4Weight> qkv_, o_, gate_up_, down_;
+  std::vector<FusedWeight> qkv_, o_, gate_up_, down_;
   std::vector<torch::Tensor> input_norms_, post_norms_;
-  torch::Tensor final_norm_, head_codes_, head_scales_;
+  torch::Tensor final_norm_;
+  FusedWeight head_;
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   bool int8_;
@@ -1460,9 +1627,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // module_local: each ISA's build is its own module with its own LlamaDecoder type (several load
   // into one process); a global registration would clash on the shared C++ type name
   pybind11::class_<LlamaDecoder>(module, "LlamaDecoder", pybind11::module_local())
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, double, double, bool>())
+      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          torch::Tensor, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool>())
       .def("step", &LlamaDecoder::step, "one decoded token through every layer; returns logits",
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("rows", &LlamaDecoder::rows, "a few new rows through every layer; returns logits [n or 1, V]",
