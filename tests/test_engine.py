@@ -352,7 +352,10 @@ def test_q8_int8_kernel_is_the_product_of_the_rounded_activations(width, m):
     x = torch.randn(m, width, generator=g)
     dense = weight.dequantize()
     got = weight(x, int8=True)
-    torch.testing.assert_close(got, _rounded_blocks(x) @ dense.T, atol=1e-5, rtol=1e-5)
+    # against the exact product of the rounded activations, relative to the largest product (fp32
+    # sums over terms ~100x the results: measured <= 1.2e-7; a wrong code or block moves it > 1e-3)
+    exact = (_rounded_blocks(x).double() @ dense.double().T).float()
+    torch.testing.assert_close(got, exact, atol=1e-6 * exact.abs().max().item(), rtol=0)
     assert ((got - x @ dense.T).abs() <= _int8_error_bound(x, dense) + 1e-4).all()
 
 
@@ -420,11 +423,16 @@ GREEDY_PROMPTS = [
 ]
 
 
+def _common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def test_int8_greedy_answers_mostly_equal_the_exact_engine(real):
-    """Measured: 4 of 8 answers (24 tokens) identical, the others diverge after 1 to 19 equal
-    tokens (a near-tie flipped by the rounding, as between llama.cpp and transformers; which
-    ones flip moves with fp32 summation order, so the bounds keep a margin). A broken kernel
-    agrees on none."""
+    """Measured: 4 of 8 answers (24 tokens) identical on one AVX-512 VNNI machine, none on
+    another (equal leading tokens 5, 3, 9, 4, 1, 7, 10, 7: a near-tie flipped by the rounding,
+    as between llama.cpp and transformers; which ones flip moves with the machine and fp32
+    summation order). So the bounds are the first token of most answers and the mean equal
+    prefix, with a margin. A broken kernel agrees on none."""
     _needs_vnni()
 
     def answers():
@@ -441,8 +449,9 @@ def test_int8_greedy_answers_mostly_equal_the_exact_engine(real):
         fast = answers()
     finally:
         engine.attach(real.model, embedded_gguf_path(), "q4_1")
-    assert sum(a[:1] == b[:1] for a, b in zip(exact, fast)) >= 6
-    assert sum(a == b for a, b in zip(exact, fast)) >= 3
+    prefixes = [_common_prefix(a, b) for a, b in zip(exact, fast)]
+    assert sum(n >= 1 for n in prefixes) >= 6, prefixes
+    assert sum(prefixes) / len(prefixes) >= 3, prefixes
 
 
 def test_int8_engine_is_reported_and_requested_by_name():

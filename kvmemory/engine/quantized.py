@@ -276,6 +276,10 @@ class FusedBlocks:
         """Whether a part has 16-value blocks (no int8-activation kernel for them)."""
         return any(isinstance(p, Q8Linear) and p.block == 16 for p in self.parts)
 
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight ``[out, in]`` the parts encode (the bias is not part of it)."""
+        return torch.cat([p.dequantize() for p in self.parts])
+
     def __call__(self, x: torch.Tensor, int8: bool = False, lib=None) -> torch.Tensor:
         """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]`` (``int8``, ``lib`` as for :class:`Q4Linear`)."""
         outs = [p(x, int8=int8, lib=lib) for p in self.parts]
