@@ -165,8 +165,9 @@ def test_teacher_forced_measure_scores_reprefill_answer_tokens(llama, tokenizer)
     answer = reference.generate(max_new_tokens=5).token_ids
     expected = answer_fidelity(teacher_forced_logits(probe, answer), teacher_forced_logits(session, answer), answer, answer)
     # the guard decodes Re-prefill token by token, the hand computation in one forward: with 2 threads
-    # their fp32 summation orders differ by ~0.5 % of this near-uniform model's tiny KL
-    assert sample["kl"] == pytest.approx(expected.tf_kl, rel=1e-2, abs=1e-9) and sample["kl"] > 0
+    # their fp32 summation orders differ by 0.5 % (one machine) to 3.6 % (another, AVX-512 VNNI) of
+    # this near-uniform model's tiny KL (~6e-6); a wrong measure or token set is off by far more
+    assert sample["kl"] == pytest.approx(expected.tf_kl, rel=1e-1, abs=1e-9) and sample["kl"] > 0
     assert sample["escalated"]
     exact = FidelityGuard(llama, GuardConfig(fraction=1.0, threshold=1e-6, measure="teacher_forced", tokens=5))
     _edited(llama, tokenizer, exact, "replay", thread="r")

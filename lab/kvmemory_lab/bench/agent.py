@@ -341,7 +341,7 @@ def _meta(args, settings: dict, pool: ModelPool, systems: list, skipped: list[st
         "kvmemory_isa_env": os.environ.get("KVMEMORY_ISA"),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "llama_cpp": llama.version if llama else None, "gguf": llama.gguf if llama else None,
-        "model": pool.get(args.dtype).name,
+        "model": pool.get(args.dtype).name, "memory": _memory(pool.get(args.dtype)),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), **settings, "dtype": args.dtype,
         "systems": [s.name for s in systems], "skipped": skipped, "data": str(data_dir),
         "question": chats[0].question, "gold": chats[0].gold,
@@ -350,6 +350,21 @@ def _meta(args, settings: dict, pool: ModelPool, systems: list, skipped: list[st
         "protocol": "one cold system state per trial, steps in order; trials interleaved across systems; medians; "
                     "answers of exactly answer_tokens greedy tokens (stop tokens masked)",
     }
+
+
+def _memory(lm) -> dict:
+    """kvmemory's model in bytes: its dense weights (transformers' parameters: the prefill path
+    and the reference) and its engine's blocks; and this process's peak resident set (every
+    system of the run together, llama.cpp's mapped file included)."""
+    import resource
+
+    from kvmemory import kvcache
+    from kvmemory.engine import engine_for
+
+    dense = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+    blocks = getattr(engine_for(lm.model, kvcache.new_cache(lm.model.config)), "nbytes", 0)
+    return {"dense_weights_bytes": dense, "engine_blocks_bytes": blocks,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def _kernel_isa() -> str | None:
@@ -391,6 +406,11 @@ def markdown(meta: dict, rows: list[Row]) -> str:
         f"(stop tokens masked); `decode` answers the `delete` request with {meta['decode_tokens']} tokens. Steps: "
         "`first` call, identical `repeat`, `append` a user turn, `delete` a tool result in the middle, `decode`.",
     ]
+    memory = meta.get("memory")
+    if memory:
+        lines += ["", f"Memory: kvmemory's model holds {memory['dense_weights_bytes'] / 2**30:.2f} GiB of dense weights "
+                  f"and {memory['engine_blocks_bytes'] / 2**30:.2f} GiB of engine blocks; the process's peak resident set "
+                  f"(every system of the run) {memory['peak_rss_bytes'] / 2**30:.2f} GiB."]
     if meta["skipped"]:
         lines += [""] + [f"- {note}" for note in meta["skipped"]]
     for context in sorted({r.context for r in rows}):
