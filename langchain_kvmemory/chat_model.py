@@ -55,7 +55,7 @@ from .options import fold_aliases, normalize_device, normalize_dtype, reject_unk
 from .sampling import LogprobRecorder, Sampling
 from .streaming import TextWatcher
 from .tool_calls import CALL_OPEN, bare_calls, split_calls, template_renders_tools
-from .slots import pick_slot, prompt_head_tokens
+from .slots import pick_slot, prompt_head_text, prompt_head_tokens
 from .tool_policy import DEFAULT_MARGIN, normalize_tool_choice, scored_choice
 
 log = logging.getLogger(__name__)
@@ -289,8 +289,9 @@ class ChatKVMemory(BaseChatModel):
     """Live caches one thread may keep, one per distinct prompt head (e.g. a router and an
     answerer node with different system prompts on one thread); each call uses the slot with the
     longest exact prefix reuse (:mod:`langchain_kvmemory.slots`, ``response_metadata["cache_slot"]``);
-    1 = one cache per thread. The slots count in ``memory_budget_bytes``; a checkpointer persists
-    the thread's first slot only."""
+    an edited system message (a memory line rewritten each turn) is repaired in the slot holding
+    it, not prefilled in a new one; 1 = one cache per thread. The slots count in
+    ``memory_budget_bytes``; a checkpointer persists the thread's first slot only."""
     erase: Literal["none", "strict"] = "none"
     """``"strict"``: a call that deletes or replaces a held message recomputes every row from the
     edit point (Replay), drops the thread's side caches (``<thread>/summary``) and purges the
@@ -641,7 +642,8 @@ class ChatKVMemory(BaseChatModel):
         tokenizer = runtime.loaded.tokenizer
         prompt = render_prompt(tokenizer, normalize_messages(session_messages), tools=tools, segments=False)
         slot, _ = pick_slot(self.threads_for(model_name), thread_id, prompt.token_ids,
-                            prompt_head_tokens(tokenizer, prompt.messages, tools), self.cache_slots)
+                            prompt_head_tokens(tokenizer, prompt.messages, tools), self.cache_slots,
+                            head_text=prompt_head_text(prompt.messages))
         return _Call(
             model_name=model_name, runtime=runtime, tools=tools, choice=choice,
             grammar=None if scored else self._grammar(runtime, grammar_tools or tools, choice, requested, parallel),
