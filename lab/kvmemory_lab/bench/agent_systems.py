@@ -17,6 +17,7 @@ first answer token is known (for kvmemory: when ``prepare`` returns the first-to
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +76,14 @@ def system_name(config: dict[str, Any]) -> str:
         return f"kvmemory {config['policy']} {config['dtype']}{rows}{lookup}"
     if config["engine"] == "transformers":
         return f"transformers {config['dtype']}"
-    return f"llama.cpp {Path(config['gguf']).stem.rsplit('.', 1)[-1]}{lookup}"
+    return f"llama.cpp {gguf_label(Path(config['gguf']))}{lookup}"
+
+
+def gguf_label(path: Path) -> str:
+    """A GGUF file's quantization as its name ends (``smollm2.Q4_1.gguf`` -> ``Q4_1``,
+    ``...-q4_k_m.gguf`` -> ``q4_k_m``), else its name."""
+    found = re.search(r"[.-]((?:I?Q\d\w*)|F16|BF16|F32)$", path.stem, re.IGNORECASE)
+    return found.group(1) if found else path.stem
 
 
 def build_session(config: dict[str, Any], lm: LoadedModel, tools: list[dict] | None) -> KVSession:
