@@ -14,6 +14,24 @@ def reprefill_logits(model, token_ids) -> torch.Tensor:
         return model(input_ids=torch.tensor([list(token_ids)])).logits[0, -1].float()
 
 
+def assert_engine_matches_forward(engine, ids: torch.Tensor, prefill: int, draft: int, rtol: float):
+    """Through ``engine``: prefill ``ids[:prefill]``, a ``draft``-row append checked row by row,
+    then one decoded token at a time to the end; every logit row equals the model's own forward
+    of all ``ids`` within ``rtol`` of its largest logit. Returns the engine's cache and that forward."""
+    from kvmemory import kvcache
+
+    cache = kvcache.new_cache(engine.model.config)
+    end = prefill + draft
+    logits = [engine.forward_rows(cache, ids[:prefill], 0)]
+    logits += list(engine.forward_rows(cache, ids[prefill:end], prefill, every_row=True))
+    logits += [engine.forward_rows(cache, ids[i:i + 1], i) for i in range(end, len(ids))]
+    with torch.no_grad():
+        ref = engine.model(input_ids=ids[None]).logits[0].float()
+    torch.testing.assert_close(torch.stack(logits), ref[[prefill - 1, *range(prefill, len(ids))]],
+                               atol=rtol * ref.abs().max().item(), rtol=0)
+    return cache, ref
+
+
 def history() -> list[dict]:
     return [
         {"role": "system", "content": "You answer questions about the passages the tool returns.", "id": "sys"},

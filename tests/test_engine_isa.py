@@ -13,7 +13,7 @@ from kvmemory.engine.build import build
 from kvmemory.engine.llama import QuantizedLlama, _Layer
 from kvmemory.engine.quantized import ISAS, KernelUnavailableError, Q4Linear, Q8Linear, cpu_isas, kernel, kernel_isa
 from kvmemory.models import embedded_gguf_path
-from support import history, tiny_model
+from support import assert_engine_matches_forward, history, tiny_model
 
 # as in test_engine.py: fp32 with another summation order than transformers' GEMMs
 LOGITS_ATOL = 1e-3
@@ -146,14 +146,7 @@ def test_attention_layouts_on_each_isa_equal_transformers(isa, heads, kv_heads, 
     fast_engine = _random_block_llama(heads, kv_heads, head_dim)
     assert fast_engine.isa == isa
     ids = torch.randint(0, 512, (530,), generator=torch.Generator().manual_seed(3))
-    cache = kvcache.new_cache(fast_engine.model.config)
-    logits = [fast_engine.forward_rows(cache, ids[:515], 0)]
-    logits += list(fast_engine.forward_rows(cache, ids[515:522], 515, every_row=True))
-    logits += [fast_engine.forward_rows(cache, ids[i:i + 1], i) for i in range(522, 530)]
-    with torch.no_grad():
-        ref = fast_engine.model(input_ids=ids[None]).logits[0].float()
-    scale = ref.abs().max().item()
-    torch.testing.assert_close(torch.stack(logits), ref[[514, *range(515, 530)]], atol=ROWS_ATOL * scale, rtol=0)
+    assert_engine_matches_forward(fast_engine, ids, prefill=515, draft=7, rtol=ROWS_ATOL)
 
 
 # ---- the dispatch ----

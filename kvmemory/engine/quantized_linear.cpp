@@ -296,6 +296,18 @@ void q4_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
   }
 }
 
+// Portable dot of one byte-code row with x: nb blocks of `block` weights (32, or 16 for Q6_K),
+// one scale each. The SIMD kernels' remainder rows and the portable build use it.
+inline float q8_row_dot(const int8_t* q, const float* d, const float* x, int64_t nb, int64_t block) {
+  float total = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    float dot = 0.f;
+    for (int64_t j = 0; j < block; ++j) dot += float(q[b * block + j]) * x[b * block + j];
+    total += d[b] * dot;
+  }
+  return total;
+}
+
 void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float* d, float* y,
                     int64_t row_begin, int64_t row_end) {
   const int64_t nb = K / kBlock;
@@ -340,15 +352,7 @@ void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float*
     for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
   }
 #endif
-  for (; o < row_end; ++o) {
-    float total = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      float dot = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) dot += float(codes[o * K + b * kBlock + j]) * x[b * kBlock + j];
-      total += d[o * nb + b] * dot;
-    }
-    y[o] = total;
-  }
+  for (; o < row_end; ++o) y[o] = q8_row_dot(codes + o * K, d + o * nb, x, nb, kBlock);
 }
 
 void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* d, float* y, int64_t N,
@@ -392,16 +396,7 @@ void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const fl
       }
       for (int64_t i = 0; i < mc; ++i) y[(m0 + i) * N + o] = hsum(acc[i]);
 #else
-      for (int64_t i = 0; i < mc; ++i) {
-        const float* xr = x + (m0 + i) * K;
-        float total = 0.f;
-        for (int64_t b = 0; b < nb; ++b) {
-          float dot = 0.f;
-          for (int64_t j = 0; j < kBlock; ++j) dot += float(q[b * kBlock + j]) * xr[b * kBlock + j];
-          total += dr[b] * dot;
-        }
-        y[(m0 + i) * N + o] = total;
-      }
+      for (int64_t i = 0; i < mc; ++i) y[(m0 + i) * N + o] = q8_row_dot(q, dr, x + (m0 + i) * K, nb, kBlock);
 #endif
     }
   }
@@ -447,15 +442,7 @@ void q8_16_rows_single(const float* x, int64_t K, const int8_t* codes, const flo
     for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
   }
 #endif
-  for (; o < row_end; ++o) {
-    float total = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      float dot = 0.f;
-      for (int64_t j = 0; j < kHalf; ++j) dot += float(codes[o * K + b * kHalf + j]) * x[b * kHalf + j];
-      total += d[o * nb + b] * dot;
-    }
-    y[o] = total;
-  }
+  for (; o < row_end; ++o) y[o] = q8_row_dot(codes + o * K, d + o * nb, x, nb, kHalf);
 }
 
 void q8_16_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* d, float* y, int64_t N,
@@ -489,16 +476,7 @@ void q8_16_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const
       }
       for (int64_t i = 0; i < mc; ++i) y[(m0 + i) * N + o] = hsum(acc[i]);
 #else
-      for (int64_t i = 0; i < mc; ++i) {
-        const float* xr = x + (m0 + i) * K;
-        float total = 0.f;
-        for (int64_t b = 0; b < nb; ++b) {
-          float dot = 0.f;
-          for (int64_t j = 0; j < kHalf; ++j) dot += float(q[b * kHalf + j]) * xr[b * kHalf + j];
-          total += dr[b] * dot;
-        }
-        y[(m0 + i) * N + o] = total;
-      }
+      for (int64_t i = 0; i < mc; ++i) y[(m0 + i) * N + o] = q8_row_dot(q, dr, x + (m0 + i) * K, nb, kHalf);
 #endif
     }
   }
