@@ -98,7 +98,9 @@ def _verified_layer(model, i: int, blocks: dict) -> _Layer:
     k = get("attn_k", attn.k_proj, text.num_key_value_heads)
     v = get("attn_v", attn.v_proj)
     biases = [p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
-    qkv_bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    if any(b is None for b in biases) != all(b is None for b in biases) or attn.o_proj.bias is not None:
+        raise EngineUnsupportedError(f"layer {i}: biases other than on all of q, k and v (the engine adds Qwen2's)")
+    qkv_bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     gate, up = get("ffn_gate", mlp.gate_proj), get("ffn_up", mlp.up_proj)
     return _Layer(FusedBlocks.of([q, k, v], qkv_bias), FusedBlocks.of([get("attn_output", attn.o_proj)]),
                   FusedBlocks.of([gate, up]), FusedBlocks.of([get("ffn_down", mlp.down_proj)]), module)

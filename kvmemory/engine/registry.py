@@ -31,9 +31,10 @@ def attach(model, gguf: str | Path | None, engine: str = "auto") -> EngineStatus
     ``engine="cuda_graphs"``, on captured CUDA graphs; ``gguf`` is then not read).
 
     Args:
-        model: a transformers ``LlamaForCausalLM`` in fp32 on CPU, whose linear weights are the
-            dequantized Q4_1 blocks of ``gguf`` and whose head is its Q8_0 embedding (the embedded
-            SmolLM2 is). Checked weight by weight (~1 s for 135 M parameters).
+        model: a transformers Llama or Qwen2 causal LM in fp32 on CPU whose linear and head
+            weights are the dequantized blocks of ``gguf`` (Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K /
+            Q8_0; the embedded SmolLM2 and models loaded from a GGUF file are). Checked weight by
+            weight (~1 s for 135 M parameters).
         engine: ``"auto"`` (use ``"q4_1"`` when possible and the kernel has SIMD paths for
             this CPU, AVX2 or AVX-512; else transformers, with the reason in :func:`status`), ``"q4_1"`` (raise when it cannot run), ``"q4_1_int8"`` (the same
             with int8 activations on the block path; raise when it cannot run, e.g. no AVX-512
