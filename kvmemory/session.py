@@ -17,7 +17,7 @@ from .capabilities import model_capabilities
 from .edits import common_prefix_length, plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
 from .engine import status as engine_status
-from .engine import forward_rows
+from .engine import forward_rows, share_cores
 from .lookup import checked_prompt_lookup, propose
 from .policy import RepairPolicy, RepairReport
 from .shift import RotaryShifter, ShiftUnsupportedError
@@ -277,7 +277,8 @@ class KVSession:
         if tools is not KEEP_TOOLS:
             self.tools = tools
         request = self._plan(messages, policy, erase, rendered)  # plan -> repair -> apply
-        return self._apply(request, self._repair(request), t0)
+        with share_cores():  # threads from the cores other processes and calls leave free
+            return self._apply(request, self._repair(request), t0)
 
     def note_lost_reuse(self, reason: str) -> None:
         """Record why this session holds less than the thread's stored state (e.g. its stored
@@ -604,14 +605,10 @@ class KVSession:
         history[:len(self.token_ids)] = torch.tensor(self.token_ids, dtype=torch.long)
         try:
             for emitted in range(1, limit + 1):
-                margin = self._thin_margin() if temperature <= 0 else None
-                if margin is not None:
-                    self._replay_stale(adapter, capacity, answered=emitted - 1, margin=margin)
+                with share_cores():  # each step's torch work too, not only its forward
+                    token = self._next_token(adapter, capacity, emitted, history, temperature, generator,
+                                             logits_processor)
                 n = len(self.token_ids)
-                logits = self.next_logits
-                if logits_processor is not None:
-                    logits = logits_processor(history[None, :n].clone(), logits[None].clone())[0]
-                token = _pick(logits, temperature, generator)
                 if token in stop_ids:
                     self.next_logits = None
                     return
@@ -621,11 +618,25 @@ class KVSession:
                 except BaseException:  # closed (or thrown into): settle on this token, no new draft
                     self._append_token(token, adapter, capacity, draft_tokens=0)
                     raise
-                self._append_token(token, adapter, capacity,
-                                   draft_tokens=min(lookup, limit - emitted) if drafting else 0,
-                                   history=history[:n + 1].numpy())
+                with share_cores():
+                    self._append_token(token, adapter, capacity,
+                                       draft_tokens=min(lookup, limit - emitted) if drafting else 0,
+                                       history=history[:n + 1].numpy())
         finally:
             self._drop_draft(adapter)
+
+    def _next_token(self, adapter, capacity: int, emitted: int, history: torch.Tensor, temperature: float,
+                    generator, logits_processor) -> int:
+        """The token picked from the pending logits (after decode-time Replay when due and the
+        logits processor)."""
+        margin = self._thin_margin() if temperature <= 0 else None
+        if margin is not None:
+            self._replay_stale(adapter, capacity, answered=emitted - 1, margin=margin)
+        n = len(self.token_ids)
+        logits = self.next_logits
+        if logits_processor is not None:
+            logits = logits_processor(history[None, :n].clone(), logits[None].clone())[0]
+        return _pick(logits, temperature, generator)
 
     def _thin_margin(self) -> float | None:
         """The pending pick's top-1/top-2 logit margin (nats, before any logits processor) when

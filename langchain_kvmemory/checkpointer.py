@@ -123,6 +123,12 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         layout: ``"blocks"`` (default: consecutive states and threads share unchanged blocks) or
             ``"blobs"`` (one self-contained blob per stored state, the earlier layout; kept as the
             reference the persistence benchmark compares with).
+        delete_blocks: block layout: deleting checkpoints (``delete_thread``, ``prune``,
+            ``delete_for_runs``) also shreds at once the blocks that their states named and that
+            no remaining checkpoint, evicted state or live cache of this saver names (blocks
+            shared with other threads stay). For a block store this process alone writes (one
+            server over a folder); default False leaves blocks to :meth:`collect_garbage`,
+            whose grace period protects other workers' writes in flight.
 
     The wrapped saver's contract is kept: ``prune`` / ``aprune`` / ``delete_for_runs`` /
     ``adelete_for_runs`` exist exactly when ``saver`` implements them (so LangGraph's capability
@@ -131,8 +137,9 @@ class KVCheckpointSaver(BaseCheckpointSaver):
     async as ``saver`` defines it. Deleting checkpoints (``delete_thread``, ``prune``,
     ``delete_for_runs``) also shreds the blobs (block layout: the manifests) that only they
     referenced; blocks are left to :meth:`collect_garbage`, whose grace period protects other
-    workers' writes in flight. ``with`` / ``async with`` enter the wrapped saver when it is a
-    context manager and close, on exit, the block store this saver opened from a URL or folder.
+    workers' writes in flight (``delete_blocks`` shreds the unshared ones at once). ``with`` /
+    ``async with`` enter the wrapped saver when it is a context manager and close, on exit, the
+    block store this saver opened from a URL or folder.
 
     Raises:
         ValueError: no ``blob_dir`` nor ``block_store``, and no folder can be derived from ``saver``, or bad
@@ -162,6 +169,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         worker_id: str | None = None,
         layout: Literal["blocks", "blobs"] = "blocks",
         keeps_history: bool | None = None,
+        delete_blocks: bool = False,
     ):
         _check_saver_arguments(saver, blob_dir, search_depth)
         block_store = _block_store_for(layout, block_store, blob_dir, saver)
@@ -183,6 +191,9 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         if keeps_history is not None and not isinstance(keeps_history, bool):
             raise InputError(f"keeps_history must be True, False or None to detect it (got {keeps_history!r})")
         self.keeps_history = _keeps_history(saver) if keeps_history is None else keeps_history
+        if not isinstance(delete_blocks, bool):
+            raise InputError(f"delete_blocks must be True or False (got {delete_blocks!r})")
+        self.delete_blocks = delete_blocks
         self.restore_failures: dict[str, str] = {}  # thread id -> why its stored cache was not used
         self.restored_from: dict[str, str] = {}  # thread id -> sha256 of the verified blob it resumed from
         self.persist_failures: dict[str, str] = {}  # thread id -> why its last checkpoint names no live cache
@@ -192,6 +203,7 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         self._pending_erase: dict[str, set[str]] = {}  # ids erased but still in the thread's newest checkpoint
         self._evicted: dict[str, tuple[BlobRef, dict]] = {}  # thread id -> (blob, metadata entry) when evicted
         self._erase_lock = threading.RLock()
+        self._block_lock = threading.Lock()  # block writes vs delete_blocks (innermost: takes no other lock)
         if self.threads is not None:
             self.threads.erase_stores.add(self)
             self._persist_on_evict()
@@ -449,11 +461,14 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         they wait for collect_garbage). Returns the shredded sha256s."""
         if not entries:
             return []
-        keep = set(self._entries(remaining())) | {ref.sha256 for ref, _ in self._evicted.values()}
+        kept = [*self._entries(remaining()).values(), *(entry for _, entry in self._evicted.values())]
+        keep = {raw["sha256"] for raw in kept if "sha256" in raw} | {ref.sha256 for ref, _ in self._evicted.values()}
         doomed = sorted(set(entries) - keep)
         with self._erase_lock:  # a strict-erase purge may shred the same files
             if self.blocks is not None:
                 gone = [sha for sha in doomed if self.blocks.store.delete(f"manifest/{sha}", shred=True)]
+                if self.delete_blocks:
+                    self._drop_blocks(entries, kept)
             else:
                 gone = [sha for sha in doomed if shred(self.store, sha)]
             for tid, (_, ref, _) in list(self._stored.items()):
@@ -461,6 +476,19 @@ class KVCheckpointSaver(BaseCheckpointSaver):
                     self._stored.pop(tid, None)
         if gone:
             log.info("kvmemory: shredded %d cache blobs only deleted checkpoints referenced", len(gone))
+        return gone
+
+    def _drop_blocks(self, released: dict[str, dict], kept: list[dict]) -> list[str]:
+        """``delete_blocks``: shred the blocks ``released`` entries name that no ``kept`` entry
+        nor live cache of this saver names. Under the block lock, so a state being written now
+        either is in ``live_blocks`` already or checks its blocks' presence afterwards."""
+        named = {key for raw in released.values() for key in raw.get("blocks", ())}
+        with self._block_lock:
+            keep = {key for raw in kept for key in raw.get("blocks", ())}
+            keep |= {ref.key for _, refs in list(self.blocks.live_blocks.values()) for ref in refs}
+            gone = [key for key in sorted(named - keep) if self.blocks.store.delete(f"block/{key}", shred=True)]
+        if gone:
+            log.info("kvmemory: shredded %d blocks only deleted checkpoints named", len(gone))
         return gone
 
     async def _arelease(self, entries: dict[str, dict]) -> list[str]:
@@ -702,7 +730,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
         if last is not None and last[0] == fingerprint and self._present(last[1]):
             return last[2]
         if self.blocks is not None:
-            ref, entry = self.blocks.write(tid, session, self.threads.model_name, fingerprint)
+            with self._block_lock:  # a deletion of unnamed blocks sees this state's blocks as live
+                ref, entry = self.blocks.write(tid, session, self.threads.model_name, fingerprint)
         else:
             state = export_state(session, self.threads.model_name)
             ref = self.store.put(state.tensors(), state.metadata())

@@ -287,3 +287,39 @@ def test_delete_thread_in_the_block_layout_shreds_its_manifests_and_leaves_block
         assert list(store.list("manifest/")) == []  # they hold the thread's messages: gone at once
         assert list(store.list("block/"))  # may be shared with other threads and workers: left to GC
         assert saver.collect_garbage(grace_s=0) and list(store.list("block/")) == []
+
+
+async def test_delete_blocks_shreds_the_deleted_threads_own_blocks_and_keeps_shared_ones(tmp_path, tiny):
+    """delete_blocks=True (one server over a folder): deleting a thread also shreds at once the
+    blocks no other thread's checkpoint or live cache names; blocks shared with the other thread
+    stay, and that thread resumes from them after a restart."""
+    chat = ChatKVMemory(model=tiny, max_tokens=3)
+    path, blocks = tmp_path / "c.sqlite", tmp_path / "blocks"
+    async with KVCheckpointSaver.afrom_sqlite(path, chat, block_store=blocks, block_tokens=8,
+                                              delete_blocks=True) as saver:
+        graph = achat_graph(chat, saver)
+        for thread, last in (("a", TURN2), ("b", TURN3)):
+            await graph.ainvoke({"messages": TURN1}, config(thread))
+            await graph.ainvoke({"messages": last}, config(thread))
+        store = saver.blocks.store
+
+        async def named(thread):
+            return {k for t in [t async for t in saver.alist(config(thread))]
+                    for k in (t.metadata.get(CACHE_KEY) or {}).get("blocks", [])}
+
+        a, b = await named("a"), await named("b")
+        assert a - b and a & b  # the same first turn: shared leading blocks
+        await saver.adelete_thread("a")
+        assert {k.split("/", 1)[1] for k, _ in store.list("block/")} == b
+    restarted = ChatKVMemory(model=tiny, max_tokens=3)
+    async with KVCheckpointSaver.afrom_sqlite(path, restarted, block_store=blocks, block_tokens=8) as again:
+        out = await achat_graph(restarted, again).ainvoke({"messages": [HumanMessage("And at dawn?", id="u4")]},
+                                                          config("b"))
+        assert "b" in again.restored_from and cache_read(out["messages"][-1]) > 0
+        assert not again.restore_failures
+
+
+def test_delete_blocks_must_be_a_bool(tmp_path, tiny):
+    with pytest.raises(ValueError, match="delete_blocks"):
+        KVCheckpointSaver(InMemorySaver(), ThreadCaches(tiny.model, tiny.tokenizer), block_store=tmp_path,
+                          delete_blocks="yes")

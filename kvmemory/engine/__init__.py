@@ -29,11 +29,13 @@ The engine is a setting of the loaded model (every session on it shares it), cho
 :func:`attach` (``kvmemory.load_model(engine="auto")`` does it for the embedded model). Every
 forward that appends rows (:func:`forward_rows`) then runs on it; anything it cannot compute (a
 LoRA adapter, modified weights, a quantized or sliding-window cache) runs on transformers
-instead (:func:`engine_for`), and :func:`status` says which and why.
+instead (:func:`engine_for`), and :func:`status` says which and why. Each call runs with the
+threads the cores other processes and concurrent calls leave free (:mod:`.cores`).
 """
 
 from __future__ import annotations
 
+from .cores import CORES, share_cores
 from .interface import BlockLinears, Engine, EngineStatus, ForwardResult
 from .gguf_blocks import load_gguf_blocks
 from .quantized import FusedBlocks, KernelUnavailableError, Q4Linear, Q8Linear, kernel, kernel_isa

@@ -12,6 +12,7 @@ import torch
 from ..errors import EngineUnsupportedError, InputError
 from . import graphs
 from .build import build
+from .cores import share_cores
 from .interface import Engine, EngineStatus
 from .llama import QuantizedLlama
 from .quantized import cpu_isas, kernel_isa
@@ -127,5 +128,7 @@ def forward_rows(
     Returns:
         fp32 logits ``[vocab]`` for the token after the last input position, or with
         ``every_row`` ``[n, vocab]`` (row i: the token after input i; checking a draft).
+    Runs with this call's share of the cores (:mod:`kvmemory.engine.cores`).
     """
-    return engine_for(model, cache).forward_rows(cache, token_ids, start, capacity, every_row=every_row)
+    with share_cores():
+        return engine_for(model, cache).forward_rows(cache, token_ids, start, capacity, every_row=every_row)
