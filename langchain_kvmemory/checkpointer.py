@@ -506,8 +506,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             return self.saver.copy_thread(source_thread_id, target_thread_id)
         tuples = list(self.saver.list({"configurable": {"thread_id": str(source_thread_id)}}))
         for tup in reversed(tuples):  # oldest first, so parents exist before their children
-            config, writes = _copied(tup, str(target_thread_id))
-            stored = self.saver.put(config, tup.checkpoint, tup.metadata, tup.checkpoint["channel_versions"])
+            config, metadata, writes = _copied(tup, str(target_thread_id))
+            stored = self.saver.put(config, tup.checkpoint, metadata, tup.checkpoint["channel_versions"])
             for task_id, task_writes in writes:
                 self.saver.put_writes(stored, task_writes, task_id)
 
@@ -517,8 +517,8 @@ class KVCheckpointSaver(BaseCheckpointSaver):
             return await self.saver.acopy_thread(source_thread_id, target_thread_id)
         tuples = [t async for t in self.saver.alist({"configurable": {"thread_id": str(source_thread_id)}})]
         for tup in reversed(tuples):
-            config, writes = _copied(tup, str(target_thread_id))
-            stored = await self.saver.aput(config, tup.checkpoint, tup.metadata, tup.checkpoint["channel_versions"])
+            config, metadata, writes = _copied(tup, str(target_thread_id))
+            stored = await self.saver.aput(config, tup.checkpoint, metadata, tup.checkpoint["channel_versions"])
             for task_id, task_writes in writes:
                 await self.saver.aput_writes(stored, task_writes, task_id)
 
@@ -972,16 +972,20 @@ def _thread_list(thread_ids: Sequence[str]) -> list[str]:
     return [] if isinstance(thread_ids, str) else [str(t) for t in thread_ids]
 
 
-def _copied(tup: CheckpointTuple, target: str) -> tuple[RunnableConfig, list[tuple[str, list]]]:
-    """The put config of ``tup`` in thread ``target`` (same namespace and parent) and its pending
-    writes grouped by task, in their stored order."""
+def _copied(tup: CheckpointTuple, target: str) -> tuple[RunnableConfig, CheckpointMetadata, list[tuple[str, list]]]:
+    """The put config of ``tup`` in thread ``target`` (same namespace and parent), its metadata
+    there (a ``thread_id`` entry, as the LangGraph Agent Server records, names ``target``) and its
+    pending writes grouped by task, in their stored order."""
     ns = _thread_and_ns(tup.config)[1]
     parent = (tup.parent_config or {}).get("configurable", {}).get("checkpoint_id")
     config = {"configurable": {"thread_id": target, "checkpoint_ns": ns, **({"checkpoint_id": parent} if parent else {})}}
     grouped: dict[str, list] = {}
     for task_id, channel, value in tup.pending_writes or []:
         grouped.setdefault(task_id, []).append((channel, value))
-    return config, list(grouped.items())
+    metadata = tup.metadata or {}
+    if "thread_id" in metadata:
+        metadata = {**metadata, "thread_id": target}
+    return config, metadata, list(grouped.items())
 
 
 def _thread_config(tup: CheckpointTuple) -> RunnableConfig:

@@ -5,7 +5,8 @@ Two threads, three turns each (``runs.wait``, then ``runs.stream``): from the se
 the turn's first model call resumes from the thread's live cache; the last AI message of the
 thread state reports reused tokens. Deleting a thread through the API removes its checkpoints,
 its manifests and the blocks only it named; the other thread's blocks stay and it goes on. A
-restarted server resumes the remaining thread from its stored blocks.
+copy of it resumes from the blocks it shares, and a restarted server resumes the remaining
+thread from its stored blocks.
 """
 
 from __future__ import annotations
@@ -175,6 +176,13 @@ def test_agent_server_reuses_each_threads_cache_and_deletes_its_blocks(server):
     # the remaining thread goes on from its live cache in this process ...
     calls = _turn(client, threads[1], "And in Tokyo?", stream=False)
     assert _repair(calls[0])["reused_tokens"] > 0 and _repair(calls[-1])["reused_tokens"] > 0
+
+    # a copy (threads.copy: the checkpointer's acopy_thread) names the same blocks and resumes from them
+    copied = client.threads.copy(threads[1])["thread_id"]
+    history = client.threads.get_history(copied, limit=1000)
+    assert {h["metadata"].get("thread_id") for h in history} <= {copied, None}
+    calls = _turn(client, copied, "Is it sunny in Paris?", stream=False)
+    assert _repair(calls[0])["reused_tokens"] >= _repair(calls[0])["prompt_tokens"] // 2
 
     # ... and from its stored blocks after a restart (a new process: nothing live)
     server.stop()
