@@ -13,6 +13,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "reforge": ("reforge", "CacheReforge: 32 LoRA updates, six cache-maintenance methods vs fresh prefill"),
     "reliability": ("reliability", "reliability: fuzzed edit sequences, SIGKILL crash safety, concurrent threads (report)"),
     "agent": ("agent", "agent hops side by side: kvmemory vs transformers Re-prefill vs llama.cpp (ms, TTFT, decode tok/s)"),
+    "agent-loop": ("agent_loop", "create_agent tool loop (six hops) quiet and beside a busy process: kvmemory vs "
+                   "transformers Re-prefill vs llama.cpp"),
     "persistence": ("persistence",
                     "scale-out persistence: bytes stored by token blocks, restore ms, 2 workers with random routing"),
     "quality": ("quality", "repair fidelity on Erasing-NIAH / multi-hop QA: 14 allocators x budgets, paired bootstrap"),
