@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
-from . import kvcache
+from . import kvcache, window_checkpoint
 from .capabilities import model_capabilities
 from .edits import common_prefix_length, plan_edits
 from .errors import ContextOverflowError, InputError, InputTypeError, UnknownMessageError
@@ -51,6 +51,7 @@ class _RequestPlan:
     template_fallback: str | None
     maintenance: ReforgeReport | None
     dropped: str | None
+    restored: str | None = None  # a sliding-window checkpoint gave back the prompt's rows (what it says)
 
 
 class _RepairRun(NamedTuple):
@@ -180,6 +181,8 @@ class KVSession:
         self.last_report: RepairReport | None = None
         self._replay_margin = 0.0  # the last prepare's policy.replay_margin (decode-time Replay)
         self.answer_committed = False  # rendered holds the last answer as a message (no generation prompt)
+        # sliding-window layers only: their rows at the last prompt's end (window_checkpoint.py)
+        self._window_checkpoint: window_checkpoint.WindowCheckpoint | None = None
         self.reforge.reset()
 
     def restore(self, state, *, rendered: RenderedPrompt | None) -> None:
@@ -222,8 +225,9 @@ class KVSession:
         """Bytes held for this conversation: the cache's storage (K/V rows; for a quantized cache
         its packed payload, scales and residual buffer, see :func:`kvcache.cache_nbytes`) plus
         CacheReforge's retained boundary states (hidden states ``[1, N, hidden]`` per restart
-        layer; 0 without LoRA layers)."""
-        return kvcache.cache_nbytes(self.cache) + self.reforge.boundary_bytes
+        layer; 0 without LoRA layers), plus a sliding-window checkpoint's rows (0 without one)."""
+        checkpoint = self._window_checkpoint.nbytes if self._window_checkpoint is not None else 0
+        return kvcache.cache_nbytes(self.cache) + self.reforge.boundary_bytes + checkpoint
 
     def fork(self) -> "KVSession":
         """An independent copy (cache cloned) sharing the model, e.g. to try several repairs."""
@@ -291,8 +295,9 @@ class KVSession:
               rendered: RenderedPrompt | None) -> _RequestPlan:
         """Plan: render ``messages``, diff them against the held rendering (the EditPlan) and
         decide the operator (strict erase replays, ``dirty`` keeps the held messages). The cache
-        changes only by CacheReforge maintenance due first. Raises what :meth:`prepare` raises
-        before the repair starts."""
+        changes only by CacheReforge maintenance due first, or by a sliding-window checkpoint
+        restored (an exact state of the last prompt). Raises what :meth:`prepare` raises before
+        the repair starts."""
         policy = RepairPolicy.coerce(policy) if policy is not None else self.policy
         new_messages = normalize_messages(messages)
         erased = self._erased_keys(new_messages, erase if erase is not None else policy.erase, policy)
@@ -305,6 +310,7 @@ class KVSession:
         adapter = self._sync_adapter(recover=True)  # an adapter update first: it may leave rows stale (exact_rows)
         maintenance, dropped = self._unreported_maintenance, self._dropped_reason
         self._unreported_maintenance = self._dropped_reason = None
+        restored = self._restore_window_checkpoint(new.token_ids, adapter) if not erased else None
         old = self.rendered if template_fallback is None else None
         plan = plan_edits(self.token_ids, old, new, self.exact_rows, self._kept_rows(policy))
         query = new_messages[-1].content
@@ -318,7 +324,25 @@ class KVSession:
             new_cache=self._new_cache,
             last_logits=None if erased else self._logits_after_cache(),
         )
-        return _RequestPlan(job, erased, adapter, template_fallback, maintenance, dropped)
+        return _RequestPlan(job, erased, adapter, template_fallback, maintenance, dropped, restored)
+
+    def _restore_window_checkpoint(self, new_ids, adapter) -> str | None:
+        """Give the cache back the rows it held at the last prompt's end when ``new_ids`` drop rows
+        after it that sliding-window layers have evicted (an identical repeat after an answer past
+        the window, an answer rendered differently from its decoded tokens): the repair then only
+        extends that prompt. Returns the report's note, or None when no checkpoint serves."""
+        checkpoint = self._window_checkpoint
+        if not window_checkpoint.restorable(checkpoint, self.token_ids, new_ids) or (
+                checkpoint.versions != self._rows_key()[1:]):  # rows computed under another adapter
+            return None
+        window_checkpoint.restore(self.cache, checkpoint)
+        del self.token_ids[checkpoint.rows:]
+        self.exact_rows, self.rendered = min(self.exact_rows, checkpoint.exact_rows), checkpoint.rendered
+        self.reforge.commit([], source_rows=None, rows=checkpoint.rows, recomputed_all=False, current=adapter)
+        self.next_logits, self.answer_committed = checkpoint.logits.clone(), False
+        self._row_logits = (self._rows_key(), self.next_logits)
+        return (f"sliding-window checkpoint: the rows after token {checkpoint.rows} were dropped by restoring the "
+                f"window layers' rows at that prompt's end ({checkpoint.nbytes / 2**20:.1f} MiB kept), not re-prefilled")
 
     def _repair(self, request: _RequestPlan) -> _RepairRun:
         """Repair: run the branch the plan chose (strict erase first overwrites the rows it
@@ -349,6 +373,8 @@ class KVSession:
         self.next_logits, self.exact_rows = result.next_logits, result.exact_rows
         self._row_logits = (self._rows_key(), result.next_logits)
         self.last_report, self.answer_committed = report, False
+        self._window_checkpoint = window_checkpoint.take(self.cache, self.token_ids, self.next_logits, self.exact_rows,
+                                                         self.rendered, self._rows_key()[1:])
         self._replay_margin = job.policy.replay_margin
         return report
 
@@ -366,6 +392,8 @@ class KVSession:
             report.adapter = request.maintenance.as_dict()
             report.note_fallback(request.maintenance.fallback)
         report.note_fallback(request.dropped)  # the cache was dropped or not restored: this call recomputed it
+        if request.restored:
+            report.capability_notes.append(request.restored)
         report.engine = engine_status(self.model).as_dict()
         report.latency_ms = (time.perf_counter() - t0) * 1000.0 + report.replayed_probe_ms  # rendering and planning included
         if report.fallback:
