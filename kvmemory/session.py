@@ -3,6 +3,7 @@ that keep them in step with an edited message list."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -92,7 +93,7 @@ class KVSession:
     def __init__(
         self, model, tokenizer, policy: RepairPolicy | str | None = None, *, tools: list | None = None,
         reforge: ReforgeConfig | None = None, cache_factory: Callable[[Any], Any] | None = None,
-        prompt_lookup: int = PROMPT_LOOKUP_TOKENS,
+        prompt_lookup: int = PROMPT_LOOKUP_TOKENS, batcher=None,
     ):
         """Args:
             model: a transformers causal LM (eval mode); tokenizer: its tokenizer, with a chat template.
@@ -107,6 +108,10 @@ class KVSession:
                 copied from what followed the answer's last tokens earlier in the conversation
                 (:mod:`kvmemory.lookup`; the same answer, fewer forwards when the answer repeats
                 its context); 0 decodes one token per forward. Settable later.
+            batcher: a :class:`~kvmemory.engine.batching.DecodeBatcher` shared by sessions of this
+                model (``decode_batcher(model)``): their one-token decode steps run in one kernel
+                call when they decode at the same time, each answer bit for bit its answer alone
+                (same thread count; a forward checking draft tokens runs alone). None: every step alone.
 
         Raises:
             InputTypeError: ``model`` has no transformers config or ``tokenizer`` cannot render chats.
@@ -116,6 +121,7 @@ class KVSession:
         """
         _check_model_and_tokenizer(model, tokenizer)
         self.prompt_lookup = prompt_lookup
+        self.batcher = batcher
         self._open_stream = None  # weak reference to the stream_tokens generator last handed out
         self.model = model
         self.tokenizer = tokenizer
@@ -631,6 +637,14 @@ class KVSession:
         # for the logits processor's input_ids or the draft lookup (~0.4 ms a token at 2 K ids)
         history = torch.empty(len(self.token_ids) + limit + 1, dtype=torch.long)
         history[:len(self.token_ids)] = torch.tensor(self.token_ids, dtype=torch.long)
+        batching = self.batcher.decoding() if self.batcher is not None else contextlib.nullcontext()
+        with batching:
+            yield from self._decode_steps(limit, stop_ids, adapter, capacity, history, lookup if drafting else 0,
+                                          temperature, generator, logits_processor)
+
+    def _decode_steps(self, limit: int, stop_ids, adapter, capacity: int, history: torch.Tensor, lookup: int,
+                      temperature: float, generator, logits_processor) -> Iterator[int]:
+        """The decode loop of :meth:`_decode` (``lookup``: draft tokens per forward, 0: none)."""
         try:
             for emitted in range(1, limit + 1):
                 with share_cores():  # each step's torch work too, not only its forward
@@ -647,8 +661,7 @@ class KVSession:
                     self._append_token(token, adapter, capacity, draft_tokens=0)
                     raise
                 with share_cores():
-                    self._append_token(token, adapter, capacity,
-                                       draft_tokens=min(lookup, limit - emitted) if drafting else 0,
+                    self._append_token(token, adapter, capacity, draft_tokens=min(lookup, limit - emitted),
                                        history=history[:n + 1].numpy())
         finally:
             self._drop_draft(adapter)
@@ -753,7 +766,10 @@ class KVSession:
         (``[vocab]``; with ``every_row`` ``[m, vocab]``, row i after input i)."""
         start = len(self.token_ids)
         with self.reforge.recording() as captures:
-            logits = forward_rows(self.model, self.cache, ids, start, capacity=capacity, every_row=every_row)
+            if self.batcher is not None and ids.shape[0] == 1 and not every_row:
+                logits = self.batcher.step(self.cache, ids, start, capacity)
+            else:
+                logits = forward_rows(self.model, self.cache, ids, start, capacity=capacity, every_row=every_row)
         self.reforge.commit(captures, source_rows=None, rows=start + ids.shape[0], recomputed_all=False, current=adapter)
         self._row_logits = ((start + ids.shape[0],) + self._rows_key()[1:], logits[-1] if every_row else logits)
         return logits

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from . import persistence
+from .engine.batching import decode_batcher
 from .errors import CacheStateError, ThreadBusyError
 from .policy import RepairPolicy
 from .session import KVSession
@@ -49,6 +50,9 @@ class ThreadCaches:
             the thread's lock held (for example to persist its state first; it must not lease
             the thread again).
         model_name: recorded in exported states.
+        batch_decoding: threads decoding at the same time share one kernel call per token
+            (:mod:`kvmemory.engine.batching`; each answer bit for bit its answer alone at the
+            same thread count). False: every thread decodes alone.
 
     Raises:
         ValueError: ``memory_budget_bytes`` < 0.
@@ -63,6 +67,7 @@ class ThreadCaches:
         memory_budget_bytes: int | None = None,
         on_evict: Callable[[str, KVSession], None] | None = None,
         model_name: str = "",
+        batch_decoding: bool = True,
     ):
         if memory_budget_bytes is not None and memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes must be >= 0 or None for no limit (got {memory_budget_bytes})")
@@ -71,6 +76,7 @@ class ThreadCaches:
         self.memory_budget_bytes = memory_budget_bytes
         self.on_evict = on_evict
         self.model_name = model_name
+        self.batcher = decode_batcher(model) if batch_decoding else None
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # oldest use first
         self._lock = threading.Lock()  # guards the dict, never held while the model runs
         self._changed = threading.Condition(self._lock)  # notified when a call ends or a thread is dropped
@@ -87,7 +93,7 @@ class ThreadCaches:
         with self._lock:
             entry = self._entries.get(thread_id)
             if entry is None:
-                entry = _Entry(KVSession(self.model, self.tokenizer, self.policy))
+                entry = _Entry(KVSession(self.model, self.tokenizer, self.policy, batcher=self.batcher))
                 self._entries[thread_id] = entry
             self._entries.move_to_end(thread_id)
             return entry

@@ -285,6 +285,11 @@ class ChatKVMemory(BaseChatModel):
     answer's last tokens earlier in the conversation (prompt lookup, as llama.cpp's lookup
     decoding): the same answer in fewer forwards when it repeats its context (tool calls naming
     entities from tool results, quotes). 0: one token per forward."""
+    batch_decoding: bool = True
+    """Threads answering at the same time (LangGraph threads and branches, calls from several
+    Python threads or asyncio tasks) decode in one kernel call per token on the block engine
+    (:mod:`kvmemory.engine.batching`): each answer bit for bit the answer alone at the same thread
+    count; a forward checking prompt-lookup drafts runs alone). False: every thread decodes alone."""
     cache_slots: int = Field(default=4, ge=1)
     """Live caches one thread may keep, one per distinct prompt head (e.g. a router and an
     answerer node with different system prompts on one thread); each call uses the slot with the
@@ -459,7 +464,8 @@ class ChatKVMemory(BaseChatModel):
             if key not in self._registries:
                 self._registries[key] = ThreadCaches(
                     runtime.loaded.model, runtime.loaded.tokenizer, self.repair_policy,
-                    memory_budget_bytes=self.memory_budget_bytes, model_name=runtime.loaded.name)
+                    memory_budget_bytes=self.memory_budget_bytes, model_name=runtime.loaded.name,
+                    batch_decoding=self.batch_decoding)
             return self._registries[key]
 
     def guard_for(self, model: str | None = None) -> FidelityGuard | None:

@@ -35,6 +35,7 @@ threads the cores other processes and concurrent calls leave free (:mod:`.cores`
 
 from __future__ import annotations
 
+from .batching import DecodeBatcher, decode_batcher
 from .cores import CORES, share_cores
 from .interface import BlockLinears, Engine, EngineStatus, ForwardResult
 from .gguf_blocks import load_gguf_blocks
@@ -42,6 +43,6 @@ from .quantized import FusedBlocks, KernelUnavailableError, Q4Linear, Q8Linear, 
 from .registry import BLOCK_ENGINES, ENGINES, attach, engine_for, forward_rows, status
 
 __all__ = [
-    "BLOCK_ENGINES", "ENGINES", "BlockLinears", "Engine", "EngineStatus", "ForwardResult", "FusedBlocks",
-    "KernelUnavailableError", "Q4Linear", "Q8Linear", "attach", "engine_for", "forward_rows", "kernel", "kernel_isa", "load_gguf_blocks", "status",
+    "BLOCK_ENGINES", "CORES", "DecodeBatcher", "ENGINES", "BlockLinears", "Engine", "EngineStatus", "ForwardResult", "FusedBlocks",
+    "KernelUnavailableError", "Q4Linear", "Q8Linear", "attach", "decode_batcher", "engine_for", "forward_rows", "kernel", "kernel_isa", "load_gguf_blocks", "share_cores", "status",
 ]

@@ -94,17 +94,44 @@ class CoreShare:
             self._refresh()
             self._active += 1
             n = self._threads(ceiling, self._active)
-        self._local.inside = True
+        self._local.inside, self._local.ceiling = True, ceiling
         if n != ceiling:
             torch.set_num_threads(n)
         try:
             yield n
         finally:
-            if n != ceiling:
+            if torch.get_num_threads() != ceiling:  # also after a rebalance
                 torch.set_num_threads(ceiling)
             self._local.inside = False
             with self._lock:
                 self._active -= 1
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Inside :meth:`share`: the call waits for another thread's work on its behalf (a
+        batched decode step) and counts as idle meanwhile."""
+        if not self.enabled or not getattr(self._local, "inside", False):
+            yield
+            return
+        with self._lock:
+            self._active -= 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active += 1
+
+    def rebalance(self) -> int:
+        """Inside :meth:`share`: choose this call's thread count again from the cores and calls
+        now (a batch leader computes for the calls waiting on it). Returns the count."""
+        if not self.enabled or not getattr(self._local, "inside", False):
+            return torch.get_num_threads()
+        with self._lock:
+            self._refresh()
+            n = self._threads(self._local.ceiling, self._active)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        return n
 
     def _threads(self, ceiling: int, calls: int) -> int:
         free = int(self.cpus - self._busy_elsewhere + BUSY_SHARE)

@@ -158,6 +158,32 @@ class QuantizedLlama(BufferedEngine):
         return logits if every_row else logits[0]
 
     @torch.no_grad()
+    def decode_batch(self, caches: list, token_ids: torch.Tensor, starts: list[int],
+                     capacities: list[int | None] | None = None) -> torch.Tensor:
+        """One decoded token for each of B caches in one kernel call (batched decoding): every
+        linear reads its blocks once for all B rows, each row attends to its own cache.
+
+        ``caches``: B plain caches, cache i holding exactly ``starts[i]`` rows (the same rules as
+        :meth:`forward_rows` with one token); ``token_ids``: LongTensor ``[B]``. Returns fp32 logits
+        ``[B, vocab]``: row i bit for bit what ``forward_rows(caches[i], token_ids[i:i+1],
+        starts[i])`` returns (same arithmetic, run at the same thread count).
+
+        Raises:
+            RuntimeError: the int8-activation engine (batched decoding is exact fp32 only).
+        """
+        capacities = capacities or [None] * len(caches)
+        storages = [self.buffers.reserve(c, s, 1, cap) for c, s, cap in zip(caches, starts, capacities)]
+        body = self.model.model
+        hidden = body.embed_tokens(token_ids)  # [B, hidden]
+        positions = torch.tensor(starts, dtype=torch.long)
+        cos, sin = body.rotary_emb(hidden[None], positions[None])
+        logits = self.decoder.batch_step(hidden, [s.all_keys for s in storages], [s.all_values for s in storages],
+                                         cos[0].contiguous(), sin[0].contiguous(), positions)
+        for cache, storage, start in zip(caches, storages, starts):
+            self.buffers.publish(cache, storage, start + 1)
+        return logits
+
+    @torch.no_grad()
     def refresh_rows(self, cache, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The packed layer-major refresh (paper §3.3, eqs. 21-22) of a few rows in one kernel call:
         at every layer the rows at ``positions`` (LongTensor ``[B]``, strictly increasing) get

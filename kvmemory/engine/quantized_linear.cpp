@@ -41,6 +41,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerTask = 16;
 constexpr int64_t kMaxM = 8;  // activation rows handled together (one pass over the codes)
+constexpr int64_t kEachRows = 4;  // batched decoding: threads' rows per pass of the exact one-row arithmetic
 // One-row (decode) kernels read each weight once per token from memory: they prefetch the rows
 // this many rows ahead of use (prefetches never fault, also past the end).
 constexpr int64_t kPrefetchRows = 16;
@@ -185,6 +186,81 @@ void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float
   }
 #endif
   for (; o < row_end; ++o) y[o] = q4_row_dot(codes + o * nb * 16, d + o * nb, m + o * nb, x, xs, nb);
+}
+
+// R activation rows of different threads' decoded tokens (batched decoding): each row gets
+// exactly q4_rows_single's arithmetic (the same operations in the same order, bit for bit), while
+// every block of codes is read once for all R rows. x [R, K] (row stride K), xs [R, K/32], y row i
+// at y + i * ldy.
+template <int R>
+void q4_rows_each(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
+                  const float* xs, float* y, int64_t ldy, int64_t row_begin, int64_t row_end) {
+  const int64_t nb = K / kBlock;
+  int64_t o = row_begin;
+#if defined(KVMEMORY_AVX512)
+  const __m512i low4 = _mm512_set1_epi32(0xF);
+  for (; o + 4 <= row_end; o += 4) {
+    __m512 acc[4][R];
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 4; ++r) {
+        const int64_t row = o + r;
+        const __m512i bytes = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (row * nb + b) * 16)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        const __m512 scale = _mm512_set1_ps(d[row * nb + b]);
+        for (int i = 0; i < R; ++i) {
+          __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(x + i * K + b * kBlock));
+          t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + i * K + b * kBlock + 16), t);
+          acc[r][i] = _mm512_fmadd_ps(scale, t, acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      const float* mr = m + (o + r) * nb;
+      for (int i = 0; i < R; ++i) {
+        float mins = 0.f;
+        for (int64_t b = 0; b < nb; ++b) mins += mr[b] * xs[i * nb + b];
+        y[i * ldy + o + r] = hsum(acc[r][i]) + mins;
+      }
+    }
+  }
+#elif defined(KVMEMORY_AVX2)
+  for (; o + 4 <= row_end; o += 4) {
+    __m256 acc[4][R];
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 4; ++r) {
+        const int64_t row = o + r;
+        const uint8_t* q = codes + (row * nb + b) * 16;
+        const __m256 c0 = q4_codes8(q, 0), c1 = q4_codes8(q, 1), c2 = q4_codes8(q, 2), c3 = q4_codes8(q, 3);
+        const __m256 scale = _mm256_set1_ps(d[row * nb + b]);
+        for (int i = 0; i < R; ++i) {
+          const float* xb = x + i * K + b * kBlock;
+          __m256 t = _mm256_mul_ps(c0, _mm256_loadu_ps(xb));
+          t = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xb + 8), t);
+          t = _mm256_fmadd_ps(c2, _mm256_loadu_ps(xb + 16), t);
+          t = _mm256_fmadd_ps(c3, _mm256_loadu_ps(xb + 24), t);
+          acc[r][i] = _mm256_fmadd_ps(scale, t, acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      const float* mr = m + (o + r) * nb;
+      for (int i = 0; i < R; ++i) {
+        float mins = 0.f;
+        for (int64_t b = 0; b < nb; ++b) mins += mr[b] * xs[i * nb + b];
+        y[i * ldy + o + r] = hsum(acc[r][i]) + mins;
+      }
+    }
+  }
+#endif
+  for (; o < row_end; ++o)
+    for (int i = 0; i < R; ++i)
+      y[i * ldy + o] = q4_row_dot(codes + o * nb * 16, d + o * nb, m + o * nb, x + i * K, xs + i * nb, nb);
 }
 
 #if defined(KVMEMORY_AVX512)
@@ -355,6 +431,62 @@ void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float*
   for (; o < row_end; ++o) y[o] = q8_row_dot(codes + o * K, d + o * nb, x, nb, kBlock);
 }
 
+// q8_rows_single's arithmetic for R activation rows at once (see q4_rows_each): bit for bit per
+// row, the codes read once for all rows.
+template <int R>
+void q8_rows_each(const float* x, int64_t K, const int8_t* codes, const float* d, float* y, int64_t ldy,
+                  int64_t row_begin, int64_t row_end) {
+  const int64_t nb = K / kBlock;
+  int64_t o = row_begin;
+#if defined(KVMEMORY_AVX512)
+  for (; o + 4 <= row_end; o += 4) {
+    __m512 acc[4][R];
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 4; ++r) {
+        const int8_t* q = codes + (o + r) * K + b * kBlock;
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+        const __m512 scale = _mm512_set1_ps(d[(o + r) * nb + b]);
+        for (int i = 0; i < R; ++i) {
+          __m512 t = _mm512_mul_ps(a, _mm512_loadu_ps(x + i * K + b * kBlock));
+          t = _mm512_fmadd_ps(c, _mm512_loadu_ps(x + i * K + b * kBlock + 16), t);
+          acc[r][i] = _mm512_fmadd_ps(scale, t, acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) y[i * ldy + o + r] = hsum(acc[r][i]);
+  }
+#elif defined(KVMEMORY_AVX2)
+  for (; o + 4 <= row_end; o += 4) {
+    __m256 acc[4][R];
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 4; ++r) {
+        const int8_t* q = codes + (o + r) * K + b * kBlock;
+        const __m256 c0 = q8_codes8(q), c1 = q8_codes8(q + 8), c2 = q8_codes8(q + 16), c3 = q8_codes8(q + 24);
+        const __m256 scale = _mm256_set1_ps(d[(o + r) * nb + b]);
+        for (int i = 0; i < R; ++i) {
+          const float* xb = x + i * K + b * kBlock;
+          __m256 t = _mm256_mul_ps(c0, _mm256_loadu_ps(xb));
+          t = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xb + 8), t);
+          t = _mm256_fmadd_ps(c2, _mm256_loadu_ps(xb + 16), t);
+          t = _mm256_fmadd_ps(c3, _mm256_loadu_ps(xb + 24), t);
+          acc[r][i] = _mm256_fmadd_ps(scale, t, acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) y[i * ldy + o + r] = hsum(acc[r][i]);
+  }
+#endif
+  for (; o < row_end; ++o)
+    for (int i = 0; i < R; ++i) y[i * ldy + o] = q8_row_dot(codes + o * K, d + o * nb, x + i * K, nb, kBlock);
+}
+
 void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* d, float* y, int64_t N,
              int64_t row_begin, int64_t row_end) {
   const int64_t nb = K / kBlock;
@@ -443,6 +575,54 @@ void q8_16_rows_single(const float* x, int64_t K, const int8_t* codes, const flo
   }
 #endif
   for (; o < row_end; ++o) y[o] = q8_row_dot(codes + o * K, d + o * nb, x, nb, kHalf);
+}
+
+// q8_16_rows_single's arithmetic for R activation rows at once (see q4_rows_each).
+template <int R>
+void q8_16_rows_each(const float* x, int64_t K, const int8_t* codes, const float* d, float* y, int64_t ldy,
+                     int64_t row_begin, int64_t row_end) {
+  const int64_t nb = K / kHalf;
+  int64_t o = row_begin;
+#if defined(KVMEMORY_AVX512)
+  for (; o + 4 <= row_end; o += 4) {
+    __m512 acc[4][R];
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 4; ++r) {
+        const int8_t* q = codes + (o + r) * K + b * kHalf;
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+        const __m512 scale = _mm512_set1_ps(d[(o + r) * nb + b]);
+        for (int i = 0; i < R; ++i)
+          acc[r][i] = _mm512_fmadd_ps(scale, _mm512_mul_ps(a, _mm512_loadu_ps(x + i * K + b * kHalf)), acc[r][i]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) y[i * ldy + o + r] = hsum(acc[r][i]);
+  }
+#elif defined(KVMEMORY_AVX2)
+  for (; o + 4 <= row_end; o += 4) {
+    __m256 acc[4][R];
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int r = 0; r < 4; ++r) {
+        const int8_t* q = codes + (o + r) * K + b * kHalf;
+        const __m256 c0 = q8_codes8(q), c1 = q8_codes8(q + 8);
+        const __m256 scale = _mm256_set1_ps(d[(o + r) * nb + b]);
+        for (int i = 0; i < R; ++i) {
+          const float* xb = x + i * K + b * kHalf;
+          const __m256 t = _mm256_fmadd_ps(c1, _mm256_loadu_ps(xb + 8), _mm256_mul_ps(c0, _mm256_loadu_ps(xb)));
+          acc[r][i] = _mm256_fmadd_ps(scale, t, acc[r][i]);
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < R; ++i) y[i * ldy + o + r] = hsum(acc[r][i]);
+  }
+#endif
+  for (; o < row_end; ++o)
+    for (int i = 0; i < R; ++i) y[i * ldy + o] = q8_row_dot(codes + o * K, d + o * nb, x + i * K, nb, kHalf);
 }
 
 void q8_16_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* d, float* y, int64_t N,
@@ -875,6 +1055,30 @@ struct BlockWeight {
 #endif
     at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) { q8_rows_single(x, K, qp, dp, y, b, e); });
   }
+  // R rows of different threads' decoded tokens: x row i at x + i * K (xs: its block sums at
+  // xs + i * K / 32) -> y row i at y + i * ldy, each row bit for bit what apply() gives it alone
+  // (same kernels' arithmetic, same split of the output rows over the threads), every block read
+  // once per kEachRows rows. fp32 activations only.
+  void apply_each(const float* x, int64_t R, int64_t K, float* y, int64_t ldy, const float* xs) const {
+    const float* dp = scales.data_ptr<float>();
+    at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) {
+      for (int64_t i0 = 0; i0 < R; i0 += kEachRows) {
+        const float* xi = x + i0 * K;
+        float* yi = y + i0 * ldy;
+        with_count<kEachRows>(std::min(kEachRows, R - i0), [&](auto rows) {
+          constexpr int C = decltype(rows)::value;
+          if (q4()) {
+            q4_rows_each<C>(xi, K, codes.data_ptr<uint8_t>(), dp, mins.data_ptr<float>(), xs + i0 * (K / kBlock), yi,
+                            ldy, b, e);
+          } else if (halves()) {
+            q8_16_rows_each<C>(xi, K, codes.data_ptr<int8_t>(), dp, yi, ldy, b, e);
+          } else {
+            q8_rows_each<C>(xi, K, codes.data_ptr<int8_t>(), dp, yi, ldy, b, e);
+          }
+        });
+      }
+    });
+  }
   // x [n, K] -> [n, out] (every row through one pass over the blocks)
   torch::Tensor apply_rows(const torch::Tensor& x, bool int8) const {
     if (q4()) return int8 ? q4_1_linear_i8(x, codes, scales, mins) : q4_1_linear(x, codes, scales, mins);
@@ -913,6 +1117,19 @@ struct FusedWeight {
     if (has_bias()) {
       const float* bp = bias.data_ptr<float>();
       for (int64_t i = 0; i < offset; ++i) y[i] += bp[i];
+    }
+  }
+  // apply() for R rows at once (BlockWeight::apply_each): row i of x at x + i * K -> y + i * ldy
+  void apply_each(const float* x, int64_t R, int64_t K, float* y, int64_t ldy, const float* xs) const {
+    int64_t offset = 0;
+    for (const auto& w : parts) {
+      w.apply_each(x, R, K, y + offset, ldy, xs);
+      offset += w.out();
+    }
+    if (has_bias()) {
+      const float* bp = bias.data_ptr<float>();
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < offset; ++i) y[r * ldy + i] += bp[i];
     }
   }
   torch::Tensor apply_rows(const torch::Tensor& x, bool int8) const {
@@ -1363,6 +1580,71 @@ class LlamaDecoder {
     return logits;
   }
 
+  // One decoded token for each of B threads at once (batched decoding): row i is thread i's token
+  // at position pos[i] of its own cache (keys[i] / values[i], each as in step()). Every linear
+  // reads its blocks once per kEachRows rows; each row's arithmetic is step()'s, operation for
+  // operation, so its logits are bit for bit what step() gives it alone (at the same thread
+  // count). hidden [B, H], cos / sin [B, head_dim]. Returns logits [B, V].
+  torch::Tensor batch_step(torch::Tensor hidden, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                           torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+    TORCH_CHECK(!int8_, "batched decoding runs the exact fp32 engine only");
+    const int64_t B = hidden.size(0), H = hidden.size(1), layers = qkv_.size(), D = head_dim_;
+    const int64_t q_width = heads_ * D, kv_width = kv_heads_ * D, qkv_width = q_width + 2 * kv_width;
+    const int64_t inter = gate_up_[0].out() / 2, wide = std::max(H, 2 * inter);
+    TORCH_CHECK(int64_t(keys.size()) == B && int64_t(values.size()) == B && positions.size(0) == B &&
+                positions.scalar_type() == torch::kInt64 && positions.is_contiguous(), "one cache and position per row");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == B && cos.size(1) == D,
+                "cos / sin must be contiguous [B, head_dim]");
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t i = 0; i < B; ++i)
+      TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(0) == layers && pos[i] < keys[i].size(3),
+                  "keys / values must be contiguous [layers, 1, kv_heads, capacity > pos, head_dim]");
+    auto h = hidden.contiguous().clone();
+    float* hp = h.data_ptr<float>();
+    std::vector<float> x(B * std::max(H, inter)), qkv(B * qkv_width), attn(B * q_width), out(B * wide),
+        sums(B * (std::max({H, inter, q_width}) / kBlock + 1)), act(B * inter);
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    // the block sums of R rows of width K, packed [B, K/32] as apply_each reads them
+    auto block_sums_of = [&](const float* rows, int64_t K) {
+      for (int64_t i = 0; i < B; ++i) sums_of_blocks(rows + i * K, K, sums.data() + i * (K / kBlock));
+    };
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t i = 0; i < B; ++i) rms_norm(hp + i * H, input_norms_[l].data_ptr<float>(), H, eps_, x.data() + i * H);
+      block_sums_of(x.data(), H);
+      qkv_[l].apply_each(x.data(), B, H, qkv.data(), qkv_width, sums.data());
+      for (int64_t i = 0; i < B; ++i) {
+        float* q = qkv.data() + i * qkv_width;
+        float* k = q + q_width;
+        float* v = k + kv_width;
+        for (int64_t hd = 0; hd < heads_; ++hd) rotate(q + hd * D, cp + i * D, sp + i * D, D);
+        for (int64_t g = 0; g < kv_heads_; ++g) rotate(k + g * D, cp + i * D, sp + i * D, D);
+        const int64_t capacity = keys[i].size(3);
+        float* kl = keys[i].data_ptr<float>() + l * kv_heads_ * capacity * D;
+        float* vl = values[i].data_ptr<float>() + l * kv_heads_ * capacity * D;
+        for (int64_t g = 0; g < kv_heads_; ++g) {
+          std::copy(k + g * D, k + (g + 1) * D, kl + (g * capacity + pos[i]) * D);
+          std::copy(v + g * D, v + (g + 1) * D, vl + (g * capacity + pos[i]) * D);
+        }
+        attend(q, kl, vl, capacity, pos[i] + 1, attn.data() + i * q_width);
+      }
+      block_sums_of(attn.data(), q_width);
+      o_[l].apply_each(attn.data(), B, q_width, out.data(), H, sums.data());
+      for (int64_t i = 0; i < B * H; ++i) hp[i] += out[i];
+      for (int64_t i = 0; i < B; ++i) rms_norm(hp + i * H, post_norms_[l].data_ptr<float>(), H, eps_, x.data() + i * H);
+      block_sums_of(x.data(), H);
+      gate_up_[l].apply_each(x.data(), B, H, out.data(), 2 * inter, sums.data());
+      for (int64_t i = 0; i < B; ++i) silu_mul(out.data() + i * 2 * inter, out.data() + i * 2 * inter + inter, inter, act.data() + i * inter);
+      block_sums_of(act.data(), inter);
+      down_[l].apply_each(act.data(), B, inter, out.data(), H, sums.data());
+      for (int64_t i = 0; i < B * H; ++i) hp[i] += out[i];
+    }
+    for (int64_t i = 0; i < B; ++i) rms_norm(hp + i * H, final_norm_.data_ptr<float>(), H, eps_, x.data() + i * H);
+    block_sums_of(x.data(), H);
+    auto logits = torch::empty({B, head_.out()}, hidden.options());
+    head_.apply_each(x.data(), B, H, logits.data_ptr<float>(), head_.out(), sums.data());
+    return logits;
+  }
+
   // n rows (n small) through every layer, row i at position pos[i] (strictly increasing): a short
   // append or a draft to verify (positions [start, start + n)), or the packed refresh's selected
   // rows scattered over the cache (paper §3.3: every layer writes the rows' fresh K/V first, then
@@ -1608,6 +1890,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           torch::Tensor, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool>())
       .def("step", &LlamaDecoder::step, "one decoded token through every layer; returns logits",
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("batch_step", &LlamaDecoder::batch_step, "one decoded token for each of B caches; returns logits [B, V]",
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("rows", &LlamaDecoder::rows, "a few new rows through every layer; returns logits [n or 1, V]",
            pybind11::call_guard<pybind11::gil_scoped_release>());
