@@ -204,16 +204,26 @@ void q4_rows_each(const float* x, int64_t K, const uint8_t* codes, const float* 
     for (int r = 0; r < 4; ++r)
       for (int i = 0; i < R; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      __m512 x0[R], x1[R];  // the rows' values of this block, loaded once for the 4 output rows
+      for (int i = 0; i < R; ++i) {
+        x0[i] = _mm512_loadu_ps(x + i * K + b * kBlock);
+        x1[i] = _mm512_loadu_ps(x + i * K + b * kBlock + 16);
+      }
+      if ((b & 3) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+      }
       for (int r = 0; r < 4; ++r) {
         const int64_t row = o + r;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ((row + kPrefetchRows) * nb + b) * 16), _MM_HINT_T0);
         const __m512i bytes = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (row * nb + b) * 16)));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
         const __m512 scale = _mm512_set1_ps(d[row * nb + b]);
         for (int i = 0; i < R; ++i) {
-          __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(x + i * K + b * kBlock));
-          t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + i * K + b * kBlock + 16), t);
+          __m512 t = _mm512_mul_ps(lo, x0[i]);
+          t = _mm512_fmadd_ps(hi, x1[i], t);
           acc[r][i] = _mm512_fmadd_ps(scale, t, acc[r][i]);
         }
       }
@@ -233,9 +243,14 @@ void q4_rows_each(const float* x, int64_t K, const uint8_t* codes, const float* 
     for (int r = 0; r < 4; ++r)
       for (int i = 0; i < R; ++i) acc[r][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      if ((b & 3) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
+      }
       for (int r = 0; r < 4; ++r) {
         const int64_t row = o + r;
         const uint8_t* q = codes + (row * nb + b) * 16;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ((row + kPrefetchRows) * nb + b) * 16), _MM_HINT_T0);
         const __m256 c0 = q4_codes8(q, 0), c1 = q4_codes8(q, 1), c2 = q4_codes8(q, 2), c3 = q4_codes8(q, 3);
         const __m256 scale = _mm256_set1_ps(d[row * nb + b]);
         for (int i = 0; i < R; ++i) {
@@ -444,14 +459,21 @@ void q8_rows_each(const float* x, int64_t K, const int8_t* codes, const float* d
     for (int r = 0; r < 4; ++r)
       for (int i = 0; i < R; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      __m512 x0[R], x1[R];
+      for (int i = 0; i < R; ++i) {
+        x0[i] = _mm512_loadu_ps(x + i * K + b * kBlock);
+        x1[i] = _mm512_loadu_ps(x + i * K + b * kBlock + 16);
+      }
+      if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
       for (int r = 0; r < 4; ++r) {
         const int8_t* q = codes + (o + r) * K + b * kBlock;
+        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
         const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
         const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
         const __m512 scale = _mm512_set1_ps(d[(o + r) * nb + b]);
         for (int i = 0; i < R; ++i) {
-          __m512 t = _mm512_mul_ps(a, _mm512_loadu_ps(x + i * K + b * kBlock));
-          t = _mm512_fmadd_ps(c, _mm512_loadu_ps(x + i * K + b * kBlock + 16), t);
+          __m512 t = _mm512_mul_ps(a, x0[i]);
+          t = _mm512_fmadd_ps(c, x1[i], t);
           acc[r][i] = _mm512_fmadd_ps(scale, t, acc[r][i]);
         }
       }
@@ -465,8 +487,10 @@ void q8_rows_each(const float* x, int64_t K, const int8_t* codes, const float* d
     for (int r = 0; r < 4; ++r)
       for (int i = 0; i < R; ++i) acc[r][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
       for (int r = 0; r < 4; ++r) {
         const int8_t* q = codes + (o + r) * K + b * kBlock;
+        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
         const __m256 c0 = q8_codes8(q), c1 = q8_codes8(q + 8), c2 = q8_codes8(q + 16), c3 = q8_codes8(q + 24);
         const __m256 scale = _mm256_set1_ps(d[(o + r) * nb + b]);
         for (int i = 0; i < R; ++i) {
@@ -589,12 +613,15 @@ void q8_16_rows_each(const float* x, int64_t K, const int8_t* codes, const float
     for (int r = 0; r < 4; ++r)
       for (int i = 0; i < R; ++i) acc[r][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      __m512 xb[R];
+      for (int i = 0; i < R; ++i) xb[i] = _mm512_loadu_ps(x + i * K + b * kHalf);
+      if ((b & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
       for (int r = 0; r < 4; ++r) {
         const int8_t* q = codes + (o + r) * K + b * kHalf;
+        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
         const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
         const __m512 scale = _mm512_set1_ps(d[(o + r) * nb + b]);
-        for (int i = 0; i < R; ++i)
-          acc[r][i] = _mm512_fmadd_ps(scale, _mm512_mul_ps(a, _mm512_loadu_ps(x + i * K + b * kHalf)), acc[r][i]);
+        for (int i = 0; i < R; ++i) acc[r][i] = _mm512_fmadd_ps(scale, _mm512_mul_ps(a, xb[i]), acc[r][i]);
       }
     }
     for (int r = 0; r < 4; ++r)

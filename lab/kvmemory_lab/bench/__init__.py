@@ -15,6 +15,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "agent": ("agent", "agent hops side by side: kvmemory vs transformers Re-prefill vs llama.cpp (ms, TTFT, decode tok/s)"),
     "agent-loop": ("agent_loop", "create_agent tool loop (six hops) quiet and beside a busy process: kvmemory vs "
                    "transformers Re-prefill vs llama.cpp"),
+    "concurrent": ("concurrent", "N threads decoding at once: kvmemory batched vs per-thread vs llama.cpp batched "
+                   "(aggregate tok/s, p95 ms per token)"),
     "persistence": ("persistence",
                     "scale-out persistence: bytes stored by token blocks, restore ms, 2 workers with random routing"),
     "quality": ("quality", "repair fidelity on Erasing-NIAH / multi-hop QA: 14 allocators x budgets, paired bootstrap"),
