@@ -121,77 +121,12 @@ inline __m256 q8_codes8(const int8_t* q) {
 }
 #endif
 
-// One activation row (decode): four output rows at a time share the activation loads and keep
-// four independent accumulation chains in flight.
-void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
-                    const float* xs, float* y, int64_t row_begin, int64_t row_end) {
-  const int64_t nb = K / kBlock;
-  int64_t o = row_begin;
-#if defined(KVMEMORY_AVX512)
-  const __m512i low4 = _mm512_set1_epi32(0xF);
-  for (; o + 4 <= row_end; o += 4) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
-      const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
-      if ((b & 3) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
-      }
-      for (int r = 0; r < 4; ++r) {
-        const int64_t row = o + r;
-        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ((row + kPrefetchRows) * nb + b) * 16), _MM_HINT_T0);
-        const __m512i bytes = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (row * nb + b) * 16)));
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4)), x0);
-        t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), x1, t);
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[row * nb + b]), t, acc[r]);
-      }
-    }
-    for (int r = 0; r < 4; ++r) {
-      const float* mr = m + (o + r) * nb;
-      float mins = 0.f;
-      for (int64_t b = 0; b < nb; ++b) mins += mr[b] * xs[b];
-      y[o + r] = hsum(acc[r]) + mins;
-    }
-  }
-#elif defined(KVMEMORY_AVX2)
-  for (; o + 4 <= row_end; o += 4) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + b * kBlock;
-      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
-                   x3 = _mm256_loadu_ps(xb + 24);
-      if ((b & 3) == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(m + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
-      }
-      for (int r = 0; r < 4; ++r) {
-        const int64_t row = o + r;
-        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + ((row + kPrefetchRows) * nb + b) * 16), _MM_HINT_T0);
-        const uint8_t* q = codes + (row * nb + b) * 16;
-        __m256 t = _mm256_mul_ps(q4_codes8(q, 0), x0);
-        t = _mm256_fmadd_ps(q4_codes8(q, 1), x1, t);
-        t = _mm256_fmadd_ps(q4_codes8(q, 2), x2, t);
-        t = _mm256_fmadd_ps(q4_codes8(q, 3), x3, t);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[row * nb + b]), t, acc[r]);
-      }
-    }
-    for (int r = 0; r < 4; ++r) {
-      const float* mr = m + (o + r) * nb;
-      float mins = 0.f;
-      for (int64_t b = 0; b < nb; ++b) mins += mr[b] * xs[b];
-      y[o + r] = hsum(acc[r]) + mins;
-    }
-  }
-#endif
-  for (; o < row_end; ++o) y[o] = q4_row_dot(codes + o * nb * 16, d + o * nb, m + o * nb, x, xs, nb);
-}
-
-// R activation rows of different threads' decoded tokens (batched decoding): each row gets
-// exactly q4_rows_single's arithmetic (the same operations in the same order, bit for bit), while
-// every block of codes is read once for all R rows. x [R, K] (row stride K), xs [R, K/32], y row i
-// at y + i * ldy.
+// The decode kernel, for R activation rows at once: one row is a thread's decoded token (R = 1),
+// several are different threads' tokens decoded together (batched decoding). Four output rows at
+// a time share the activation loads and keep 4R independent accumulation chains in flight; each
+// activation row gets the same operations in the same order whatever R is (its result is bit for
+// bit the same alone or batched), while every block of codes is read once for all R rows.
+// x [R, K] (row stride K), xs [R, K/32], y row i at y + i * ldy.
 template <int R>
 void q4_rows_each(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
                   const float* xs, float* y, int64_t ldy, int64_t row_begin, int64_t row_end) {
@@ -276,6 +211,12 @@ void q4_rows_each(const float* x, int64_t K, const uint8_t* codes, const float* 
   for (; o < row_end; ++o)
     for (int i = 0; i < R; ++i)
       y[i * ldy + o] = q4_row_dot(codes + o * nb * 16, d + o * nb, m + o * nb, x + i * K, xs + i * nb, nb);
+}
+
+// One activation row (decode).
+void q4_rows_single(const float* x, int64_t K, const uint8_t* codes, const float* d, const float* m,
+                    const float* xs, float* y, int64_t row_begin, int64_t row_end) {
+  q4_rows_each<1>(x, K, codes, d, m, xs, y, 0, row_begin, row_end);
 }
 
 #if defined(KVMEMORY_AVX512)
@@ -399,55 +340,7 @@ inline float q8_row_dot(const int8_t* q, const float* d, const float* x, int64_t
   return total;
 }
 
-void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float* d, float* y,
-                    int64_t row_begin, int64_t row_end) {
-  const int64_t nb = K / kBlock;
-  int64_t o = row_begin;
-#if defined(KVMEMORY_AVX512)
-  for (; o + 4 <= row_end; o += 4) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
-      const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
-      if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
-      for (int r = 0; r < 4; ++r) {
-        const int8_t* q = codes + (o + r) * K + b * kBlock;
-        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
-        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-        __m512 t = _mm512_mul_ps(a, x0);
-        t = _mm512_fmadd_ps(c, x1, t);
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[(o + r) * nb + b]), t, acc[r]);
-      }
-    }
-    for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
-  }
-#elif defined(KVMEMORY_AVX2)
-  for (; o + 4 <= row_end; o += 4) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + b * kBlock;
-      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8), x2 = _mm256_loadu_ps(xb + 16),
-                   x3 = _mm256_loadu_ps(xb + 24);
-      if ((b & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
-      for (int r = 0; r < 4; ++r) {
-        const int8_t* q = codes + (o + r) * K + b * kBlock;
-        if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
-        __m256 t = _mm256_mul_ps(q8_codes8(q), x0);
-        t = _mm256_fmadd_ps(q8_codes8(q + 8), x1, t);
-        t = _mm256_fmadd_ps(q8_codes8(q + 16), x2, t);
-        t = _mm256_fmadd_ps(q8_codes8(q + 24), x3, t);
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[(o + r) * nb + b]), t, acc[r]);
-      }
-    }
-    for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
-  }
-#endif
-  for (; o < row_end; ++o) y[o] = q8_row_dot(codes + o * K, d + o * nb, x, nb, kBlock);
-}
-
-// q8_rows_single's arithmetic for R activation rows at once (see q4_rows_each): bit for bit per
-// row, the codes read once for all rows.
+// The byte-code decode kernel for R activation rows at once (see q4_rows_each).
 template <int R>
 void q8_rows_each(const float* x, int64_t K, const int8_t* codes, const float* d, float* y, int64_t ldy,
                   int64_t row_begin, int64_t row_end) {
@@ -511,6 +404,11 @@ void q8_rows_each(const float* x, int64_t K, const int8_t* codes, const float* d
     for (int i = 0; i < R; ++i) y[i * ldy + o] = q8_row_dot(codes + o * K, d + o * nb, x + i * K, nb, kBlock);
 }
 
+void q8_rows_single(const float* x, int64_t K, const int8_t* codes, const float* d, float* y,
+                    int64_t row_begin, int64_t row_end) {
+  q8_rows_each<1>(x, K, codes, d, y, 0, row_begin, row_end);
+}
+
 void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* d, float* y, int64_t N,
              int64_t row_begin, int64_t row_end) {
   const int64_t nb = K / kBlock;
@@ -563,45 +461,8 @@ void q8_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const fl
 // shapes as the Q8_0 kernels above, one scale per 16 lanes.
 constexpr int64_t kHalf = 16;
 
-void q8_16_rows_single(const float* x, int64_t K, const int8_t* codes, const float* d, float* y,
-                       int64_t row_begin, int64_t row_end) {
-  const int64_t nb = K / kHalf;
-  int64_t o = row_begin;
-#if defined(KVMEMORY_AVX512)
-  for (; o + 4 <= row_end; o += 4) {
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m512 xb = _mm512_loadu_ps(x + b * kHalf);
-      if ((b & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
-      for (int r = 0; r < 4; ++r) {
-        const int8_t* q = codes + (o + r) * K + b * kHalf;
-        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
-        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(d[(o + r) * nb + b]), _mm512_mul_ps(a, xb), acc[r]);
-      }
-    }
-    for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
-  }
-#elif defined(KVMEMORY_AVX2)
-  for (; o + 4 <= row_end; o += 4) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256 x0 = _mm256_loadu_ps(x + b * kHalf), x1 = _mm256_loadu_ps(x + b * kHalf + 8);
-      if ((b & 15) == 0) _mm_prefetch(reinterpret_cast<const char*>(d + (o + kPrefetchRows) * nb + b), _MM_HINT_T0);
-      for (int r = 0; r < 4; ++r) {
-        const int8_t* q = codes + (o + r) * K + b * kHalf;
-        if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * K), _MM_HINT_T0);
-        const __m256 t = _mm256_fmadd_ps(q8_codes8(q + 8), x1, _mm256_mul_ps(q8_codes8(q), x0));
-        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d[(o + r) * nb + b]), t, acc[r]);
-      }
-    }
-    for (int r = 0; r < 4; ++r) y[o + r] = hsum(acc[r]);
-  }
-#endif
-  for (; o < row_end; ++o) y[o] = q8_row_dot(codes + o * K, d + o * nb, x, nb, kHalf);
-}
-
-// q8_16_rows_single's arithmetic for R activation rows at once (see q4_rows_each).
+// The decode kernel of byte codes with a scale per 16 values, R activation rows at once (see
+// q4_rows_each).
 template <int R>
 void q8_16_rows_each(const float* x, int64_t K, const int8_t* codes, const float* d, float* y, int64_t ldy,
                      int64_t row_begin, int64_t row_end) {
@@ -650,6 +511,11 @@ void q8_16_rows_each(const float* x, int64_t K, const int8_t* codes, const float
 #endif
   for (; o < row_end; ++o)
     for (int i = 0; i < R; ++i) y[i * ldy + o] = q8_row_dot(codes + o * K, d + o * nb, x + i * K, nb, kHalf);
+}
+
+void q8_16_rows_single(const float* x, int64_t K, const int8_t* codes, const float* d, float* y,
+                       int64_t row_begin, int64_t row_end) {
+  q8_16_rows_each<1>(x, K, codes, d, y, 0, row_begin, row_end);
 }
 
 void q8_16_rows(const float* x, int64_t M, int64_t K, const int8_t* codes, const float* d, float* y, int64_t N,
