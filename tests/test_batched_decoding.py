@@ -135,7 +135,7 @@ def test_chat_model_calls_from_several_python_threads_batch_their_steps():
 
     from langchain_kvmemory import ChatKVMemory
 
-    llm = ChatKVMemory(max_tokens=16, prompt_lookup=0)
+    llm = ChatKVMemory(max_tokens=32, prompt_lookup=0)
     questions = QUESTIONS[:4]
     alone = [llm.invoke([HumanMessage(q)], thread_id=f"alone-{i}").content for i, q in enumerate(questions)]
     batcher = llm.threads_for().batcher
@@ -155,3 +155,24 @@ def test_chat_model_calls_from_several_python_threads_batch_their_steps():
     assert replies == alone
     assert batcher.batches > before
     assert ChatKVMemory(batch_decoding=False).threads_for().batcher is None
+
+
+@pytest.mark.real_model
+async def test_chat_model_calls_from_asyncio_tasks_batch_their_steps():
+    """Four ainvoke calls gathered on one event loop (LangChain runs each in its executor): the
+    replies equal the calls made one at a time, and steps ran batched."""
+    import asyncio
+
+    from langchain_core.messages import HumanMessage
+
+    from langchain_kvmemory import ChatKVMemory
+
+    llm = ChatKVMemory(max_tokens=32, prompt_lookup=0)
+    questions = QUESTIONS[4:8]
+    alone = [llm.invoke([HumanMessage(q)], thread_id=f"solo-{i}").content for i, q in enumerate(questions)]
+    batcher = llm.threads_for().batcher
+    before = batcher.batches
+    replies = await asyncio.gather(*(llm.ainvoke([HumanMessage(q)], thread_id=f"task-{i}")
+                                     for i, q in enumerate(questions)))
+    assert [r.content for r in replies] == alone
+    assert batcher.batches > before
