@@ -52,7 +52,7 @@ class ThreadCaches:
         model_name: recorded in exported states.
         batch_decoding: threads decoding at the same time share one kernel call per token
             (:mod:`kvmemory.engine.batching`; each answer bit for bit its answer alone at the
-            same thread count). False: every thread decodes alone.
+            same thread count). False (default): every thread decodes alone.
 
     Raises:
         ValueError: ``memory_budget_bytes`` < 0.
@@ -67,7 +67,7 @@ class ThreadCaches:
         memory_budget_bytes: int | None = None,
         on_evict: Callable[[str, KVSession], None] | None = None,
         model_name: str = "",
-        batch_decoding: bool = True,
+        batch_decoding: bool = False,
     ):
         if memory_budget_bytes is not None and memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes must be >= 0 or None for no limit (got {memory_budget_bytes})")

@@ -285,11 +285,14 @@ class ChatKVMemory(BaseChatModel):
     answer's last tokens earlier in the conversation (prompt lookup, as llama.cpp's lookup
     decoding): the same answer in fewer forwards when it repeats its context (tool calls naming
     entities from tool results, quotes). 0: one token per forward."""
-    batch_decoding: bool = True
-    """Threads answering at the same time (LangGraph threads and branches, calls from several
-    Python threads or asyncio tasks) decode in one kernel call per token on the block engine
-    (:mod:`kvmemory.engine.batching`): each answer bit for bit the answer alone at the same thread
-    count; a forward checking prompt-lookup drafts runs alone). False: every thread decodes alone."""
+    batch_decoding: bool = False
+    """True: threads answering at the same time (LangGraph threads and branches, calls from
+    several Python threads or asyncio tasks) decode in one kernel call per token on the block
+    engine (:mod:`kvmemory.engine.batching`), each answer bit for bit the answer alone at the same
+    thread count (a forward checking prompt-lookup drafts runs alone). It pays where weight reads
+    bound a step (short contexts, larger models); on long contexts of a small model the rows' own
+    cache reads dominate and concurrent calls on separate cores decode faster (docs/engine.md).
+    False (default): every thread decodes alone, with its share of the cores."""
     cache_slots: int = Field(default=4, ge=1)
     """Live caches one thread may keep, one per distinct prompt head (e.g. a router and an
     answerer node with different system prompts on one thread); each call uses the slot with the

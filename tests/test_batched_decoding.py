@@ -135,7 +135,7 @@ def test_chat_model_calls_from_several_python_threads_batch_their_steps():
 
     from langchain_kvmemory import ChatKVMemory
 
-    llm = ChatKVMemory(max_tokens=32, prompt_lookup=0)
+    llm = ChatKVMemory(max_tokens=32, prompt_lookup=0, batch_decoding=True)
     questions = QUESTIONS[:4]
     alone = [llm.invoke([HumanMessage(q)], thread_id=f"alone-{i}").content for i, q in enumerate(questions)]
     batcher = llm.threads_for().batcher
@@ -154,7 +154,7 @@ def test_chat_model_calls_from_several_python_threads_batch_their_steps():
         w.join(120)
     assert replies == alone
     assert batcher.batches > before
-    assert ChatKVMemory(batch_decoding=False).threads_for().batcher is None
+    assert ChatKVMemory().threads_for().batcher is None  # opt-in
 
 
 @pytest.mark.real_model
@@ -167,7 +167,7 @@ async def test_chat_model_calls_from_asyncio_tasks_batch_their_steps():
 
     from langchain_kvmemory import ChatKVMemory
 
-    llm = ChatKVMemory(max_tokens=32, prompt_lookup=0)
+    llm = ChatKVMemory(max_tokens=32, prompt_lookup=0, batch_decoding=True)
     questions = QUESTIONS[4:8]
     alone = [llm.invoke([HumanMessage(q)], thread_id=f"solo-{i}").content for i, q in enumerate(questions)]
     batcher = llm.threads_for().batcher
