@@ -76,7 +76,7 @@ class Server:
             try:
                 if httpx.get(f"{self.url}/ok", timeout=2).status_code == 200:
                     return
-            except httpx.HTTPError:
+            except httpx.HTTPError:  # not listening yet
                 pass
             time.sleep(0.5)
         self.stop()

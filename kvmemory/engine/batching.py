@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -49,7 +49,6 @@ class _Request:
     logits: torch.Tensor | None = None
     error: BaseException | None = None
     done: bool = False
-    joined: float = field(default_factory=time.monotonic)
 
 
 class DecodeBatcher:

@@ -76,12 +76,6 @@ class CoreShare:
             self._refresh()
             return max(0.0, self.cpus - self._busy_elsewhere)
 
-    def threads_for_call(self, ceiling: int) -> int:
-        """Threads one more call may use now: ``ceiling`` at most, at least 1."""
-        with self._lock:
-            self._refresh()
-            return self._threads(ceiling, self._active + 1)
-
     @contextmanager
     def share(self) -> Iterator[int]:
         """Run the block with this call's share of threads (yields the count). Nested uses in

@@ -47,11 +47,10 @@ from langchain_core.tools import tool
 from langgraph.checkpoint.memory import InMemorySaver
 
 from kvmemory.engine import CORES
-from kvmemory.models import embedded_gguf_path
 from langchain_kvmemory import ChatKVMemory
 
 from ..gguf_models import resolve_model
-from .agent_systems import gguf_label, llama_cpp_missing
+from .agent_systems import gguf_label, llama_cpp_missing, peer_gguf
 from .common import agg_pyplot, load_average, machine_name, simd_flags
 
 SYSTEM = "You are a travel assistant. Use the tools to look facts up, then answer in one sentence."
@@ -143,8 +142,7 @@ def systems(args) -> tuple[list[System], list[str]]:
            System("transformers Re-prefill", kv("reprefill:always", "transformers"), False)]
     notes = []
     skip = llama_cpp_missing()
-    gguf = str(model) if model is not None and str(model).endswith(".gguf") else (
-        str(embedded_gguf_path()) if model is None else None)
+    gguf = peer_gguf(model)
     if skip is None and gguf is None:
         skip = "llama.cpp skipped: --model is a transformers folder, not a GGUF"
     if skip is None:

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import torch
 from transformers.generation import BaseStreamer
 
-from kvmemory.models import LoadedModel, load_model
+from kvmemory.models import LoadedModel, embedded_gguf_path, load_model
 from kvmemory.prompt import normalize_messages, render_text
 from kvmemory.session import KVSession, stop_token_ids
 
@@ -181,6 +181,14 @@ class ReprefillSystem:
         ids = out[0, prompt:].tolist()
         return Call((end - t0) * 1e3, (clock.puts[1] - t0) * 1e3, prompt, ids,
                     self.lm.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def peer_gguf(model) -> str | None:
+    """The GGUF the llama.cpp peer runs for ``model`` (``resolve_model``'s answer): the file itself,
+    the embedded model's packaged GGUF for None, nothing for a transformers folder."""
+    if model is None:
+        return str(embedded_gguf_path())
+    return str(model) if str(model).endswith(".gguf") else None
 
 
 def llama_cpp_missing() -> str | None:

@@ -31,14 +31,14 @@ import numpy as np
 import torch
 
 from kvmemory.engine import decode_batcher
-from kvmemory.models import embedded_gguf_path, load_model
+from kvmemory.models import load_model
 from kvmemory.prompt import normalize_messages, render_text
 from kvmemory.session import KVSession, stop_token_ids
 
 from ..demo_cases import default_data_dir
 from ..gguf_models import resolve_model
 from .agent import SEARCH_TOOL, agent_chat
-from .agent_systems import llama_cpp_missing
+from .agent_systems import llama_cpp_missing, peer_gguf
 from .common import agg_pyplot, int_list, load_average, machine_name, simd_flags
 
 
@@ -62,8 +62,7 @@ def run(args, console) -> int:
     chats = [agent_chat(data, lm.tokenizer, args.context, room, seed=i).steps["append"] for i in range(max(args.counts))]
     stops = sorted(stop_token_ids(lm.model, lm.tokenizer))
     prefilled = [_prefilled(lm, chat) for chat in chats]
-    gguf = str(model) if model is not None and str(model).endswith(".gguf") else (
-        str(embedded_gguf_path()) if model is None else None)
+    gguf = peer_gguf(model)
     skip = llama_cpp_missing() or (None if gguf else "llama.cpp skipped: --model is not a GGUF")
     prompts = [_prompt_ids(lm, chat) for chat in chats]
     meta = {"command": " ".join(["kvmemory bench concurrent", *sys.argv[3:]]), "machine": machine_name(),

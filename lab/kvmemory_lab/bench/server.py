@@ -160,7 +160,7 @@ class Server:
                 if httpx.get(f"{self.url}/ok", timeout=2).status_code == 200:
                     self.started_s = time.perf_counter() - t0
                     return
-            except httpx.HTTPError:
+            except httpx.HTTPError:  # not listening yet
                 pass
             time.sleep(0.5)
         self.stop()
