@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 VARIANTS = {"transformers": ("fp32", "transformers"), "q4_1_bf16": ("fp32", "q4_1_bf16"), "bf16": ("bf16", "auto")}
-REPAIRS = ["shift", "sur@5", "sur@10", "sur@20", "sur@40", "replay"]
+REPAIRS = ["shift", "sur@2", "sur@5", "sur@10", "sur@20", "sur@25", "sur@40", "sur@auto:kv_change:0.06", "sur@5:margin=0.01", "replay"]
 
 
 def rebuild_cases(run: Path, tokenizer) -> tuple[list, dict[str, dict], dict]:
@@ -130,7 +130,7 @@ def report(summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure_runs(runs: list[Path], variants: list[str], jsonl: Path) -> dict:
+def measure_runs(runs: list[Path], variants: list[str], jsonl: Path, model: str | None = None) -> dict:
     """Every case of ``runs`` not yet in ``jsonl``, appended as it finishes; returns the run's meta."""
     import torch
 
@@ -139,12 +139,15 @@ def measure_runs(runs: list[Path], variants: list[str], jsonl: Path) -> dict:
     from kvmemory_lab.bench.common import load_average, machine_name
     from kvmemory_lab.bench.worklist import append_record, done_ids
 
-    reference = load_model()
+    from kvmemory_lab.gguf_models import resolve_model
+
+    model = resolve_model(model)
+    reference = load_model(model)
     reference_session = KVSession(reference.model, reference.tokenizer)
     sessions = {}
     for name in variants:
         dtype, engine = VARIANTS[name]
-        lm = load_model(dtype=dtype, engine=engine)
+        lm = load_model(model, dtype=dtype, engine=engine)
         sessions[name] = KVSession(lm.model, lm.tokenizer)
     done = done_ids(jsonl)
     for run in runs:
@@ -165,6 +168,9 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", required=True, help="finished bench-quality folders (comma list), e.g. the held-out QA seeds")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default=None,
+                        help="the runs' model: a name of kvmemory_lab.gguf_models (e.g. qwen2.5-coder-0.5b), a .gguf "
+                             "file or a folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--report-only", action="store_true", help="rewrite summary.json and report.md from --out/cases.jsonl")
     args = parser.parse_args(argv)
     from kvmemory_lab.bench.quality import load_records
@@ -179,7 +185,7 @@ def main(argv=None) -> int:
     if args.report_only:
         meta = json.loads((args.out / "summary.json").read_text())["meta"]
     else:
-        meta = measure_runs(runs, variants, jsonl)
+        meta = measure_runs(runs, variants, jsonl, args.model)
     summary = summarise(load_records(jsonl), repair_rows(runs))
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, **summary}, indent=2))
     (args.out / "report.md").write_text(report(summary, meta))

@@ -59,12 +59,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", type=int, default=None, help="NIAH: cases per length (default 5, one per variant); QA: sources per dataset (default 5)")
     parser.add_argument("--lengths", default="1024,2048,4096", help="NIAH prompt lengths in tokens")
     parser.add_argument("--datasets", default=",".join(QA_DATASETS), help="QA datasets (comma list)")
+    parser.add_argument("--edits", default=None,
+                        help="QA: HotpotQA distractor-setting histories padded to --lengths, one case per edit kind "
+                             "and source (comma list of delete, replace, summary; --cases = sources per length) "
+                             "instead of the four datasets' placement cases")
     parser.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default benchmarks/results/quality_<task>)")
     parser.add_argument("--quick", action="store_true", help="a few small cases and budgets 2,5 (a few minutes)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="greedy answer limit in tokens, EOS stops earlier (default: NIAH 32, QA 24)")
-    parser.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="model: a name of kvmemory_lab.gguf_models (qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a .gguf file or a folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--seed", type=int, default=0, help="case-construction and random-allocator seed")
     parser.add_argument("--answers", choices=("verified", "stepwise"), default="verified",
@@ -109,6 +113,7 @@ def _settings(args) -> dict:
     return {"task": args.task, "budgets": budgets, "allocators": allocators, "lengths": lengths,
             "datasets": datasets, "cases": cases, "seed": args.seed, "methods": methods,
             "fixed": not getattr(args, "no_fixed", False),
+            "edits": [e.strip() for e in args.edits.split(",") if e.strip()] if getattr(args, "edits", None) else None,
             "max_new_tokens": args.max_new_tokens or (32 if args.task == "niah" else 24),
             "answers": getattr(args, "answers", "stepwise")}
 
@@ -116,6 +121,11 @@ def _settings(args) -> dict:
 def build_cases(settings: dict, data_dir: Path, tokenizer) -> list[EvalCase]:
     if settings["task"] == "niah":
         return niah_cases(data_dir, tokenizer, settings["lengths"], settings["cases"], settings["seed"])
+    if settings.get("edits"):
+        from ..evaluation.hotpot_edits import hotpot_edit_cases
+
+        return hotpot_edit_cases(data_dir, tokenizer, settings["lengths"], settings["cases"], settings["seed"],
+                                 settings["edits"])
     return qa_cases(data_dir, settings["datasets"], settings["cases"], settings["seed"])
 
 
@@ -287,6 +297,8 @@ def run(args, console) -> int:
 
     from kvmemory.models import load_model
 
+    from ..gguf_models import resolve_model
+
     settings = _settings(args)
     shard, shards = _parse_shard(args.shard)
     data_dir = args.data or default_data_dir()
@@ -307,7 +319,7 @@ def run(args, console) -> int:
         summary = write_outputs(out, load_records(jsonl), meta)
         console.print(f"rewrote {out / 'summary.json'} and report.md from {summary['meta']['n_cases']} finished cases")
         return 0
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(resolve_model(args.model), dtype=args.dtype)
     cases = build_cases(settings, Path(data_dir), loaded.tokenizer)
     done = done_ids(jsonl)
     todo = [c for i, c in enumerate(cases) if c.case_id not in done and i % shards == shard]

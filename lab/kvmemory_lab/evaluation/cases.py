@@ -21,6 +21,9 @@ class EvalCase:
         gold: NIAH: the ordered list of values the edited context holds; QA: [answer, *aliases].
         leak_value: NIAH needle cases: the deleted needle's value (None otherwise).
         meta: everything recorded about the construction (spans, depths, lengths, placement).
+        edited_history: the history after the edit when it is more than a deletion (a replaced
+            message content, a summary inserted in place of old turns); None: ``history`` less
+            ``deleted``.
     """
 
     case_id: str
@@ -33,14 +36,18 @@ class EvalCase:
     gold: tuple[str, ...]
     leak_value: str | None = None
     meta: dict = field(default_factory=dict)
+    edited_history: tuple[dict, ...] | None = None
 
     def dirty_messages(self) -> list[dict]:
         """The history the cache is built on (deleted messages still present, no query)."""
         return [dict(m) for m in self.history]
 
     def edited_messages(self) -> list[dict]:
-        """The history after the deletion, followed by the query."""
-        kept = [dict(m) for m in self.history if m["id"] not in self.deleted]
+        """The history after the edit (the deletion, or ``edited_history``), followed by the query."""
+        if self.edited_history is not None:
+            kept = [dict(m) for m in self.edited_history]
+        else:
+            kept = [dict(m) for m in self.history if m["id"] not in self.deleted]
         return kept + [{"role": "user", "content": self.query, "id": "query"}]
 
     def to_dict(self) -> dict:
