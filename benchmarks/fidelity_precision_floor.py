@@ -150,12 +150,18 @@ def measure_runs(runs: list[Path], variants: list[str], jsonl: Path, model: str 
         lm = load_model(model, dtype=dtype, engine=engine)
         sessions[name] = KVSession(lm.model, lm.tokenizer)
     done = done_ids(jsonl)
+    per_run = []
     for run in runs:
         cases, records, config = rebuild_cases(run, reference.tokenizer)
-        for case in (c for c in cases if c.case_id not in done):
-            row = measure_case(case, records[case.case_id], reference_session, sessions, config["max_new_tokens"])
-            append_record(jsonl, row)
-            print(case.case_id, {k: v["agree"] for k, v in row["variants"].items()}, flush=True)
+        per_run.append([(case, records[case.case_id], config) for case in cases if case.case_id not in done])
+    # round robin over the runs, so that a run cut short covers every task
+    for k in range(max((len(x) for x in per_run), default=0)):
+        for todo in per_run:
+            if k < len(todo):
+                case, record, config = todo[k]
+                row = measure_case(case, record, reference_session, sessions, config["max_new_tokens"])
+                append_record(jsonl, row)
+                print(case.case_id, {n: v["agree"] for n, v in row["variants"].items()}, flush=True)
     return {"model": reference.name, "engine": reference.engine.as_dict() if reference.engine else None,
             "torch_threads": torch.get_num_threads(), "machine": machine_name(),
             "load": load_average(), "runs": [str(r) for r in runs],
