@@ -251,7 +251,7 @@ def test_repeated_repairs_reuse_the_replaced_cache_memory(real, monkeypatch):
 
 
 def test_modified_weights_and_adapters_fall_back_to_transformers():
-    loaded = load_model()
+    loaded = load_model(keep_dense=True)  # weights edited in place below
     model = loaded.model
     ids = torch.tensor([1, 2, 3, 4, 5])
     with torch.no_grad():

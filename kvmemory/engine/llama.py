@@ -12,7 +12,9 @@ same weights:
   built; Qwen2's q/k/v biases added), the model's norm weights, rotary angles from the model's own module, grouped-query attention over
   the cached rows (causal within the new rows);
 - long ones (prefill), where FLOPs bound the time, run layer by layer on the model's own dense
-  fp32 weights (or bf16 copies) and its norm modules, with SDPA.
+  fp32 weights (or bf16 copies) and its norm modules, with SDPA. When the dense weights are
+  released (:meth:`QuantizedLlama.release_dense`, which ``load_model`` does), each linear is
+  dequantized from its blocks for the call instead (:mod:`.dense`; the same values).
 
 Differences to transformers are fp32 summation order only (tested: logits within 1e-3 absolute,
 rows within 1e-4 relative). The weights are checked before every call: an in-place change to a
@@ -30,6 +32,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwe
 
 from .base import BufferedEngine
 from .buffers import CacheBuffers
+from .dense import DenseWeights, sources
 from .interface import BlockLinears
 from .quantized import FusedBlocks, Q4Linear, Q8Linear, kernel, on_huge_pages
 
@@ -88,6 +91,48 @@ class QuantizedLlama(BufferedEngine):
         self.lib = kernel()
         self.isa = self.lib.isa()
         self.decoder = self._decoder()
+        self.dense: DenseWeights | None = None  # the released dense weights (release_dense)
+
+    def release_dense(self) -> int:
+        """Drop the model's dense linear weights (and an untied head's), which this engine's
+        blocks hold bit for bit; whatever needs one dequantizes it (:mod:`.dense`). Returns the
+        bytes freed (0 when already released)."""
+        if self.dense is None:
+            found = {}
+            for layer in self.layers:
+                attn, mlp = layer.module.self_attn, layer.module.mlp
+                for fused, modules in ((layer.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]), (layer.o, [attn.o_proj]),
+                                       (layer.gate_up, [mlp.gate_proj, mlp.up_proj]), (layer.down, [mlp.down_proj])):
+                    found.update(sources(fused, modules))
+            head, embedding = self.model.lm_head, self.model.get_input_embeddings()
+            if head.weight.data_ptr() != embedding.weight.data_ptr():  # a tied head is the embedding table, which stays
+                found.update(sources(self.head, [head]))
+            self.dense = DenseWeights(self.lib, found)
+        freed = self.dense.release()
+        if freed:
+            self._own_the_rest()
+        return freed
+
+    def _own_the_rest(self) -> None:
+        """Copy the tensors that stay (embedding, norms, biases) out of the safetensors file
+        mapping transformers loaded them into: the mapping closes, instead of keeping every
+        released weight's pages resident (the 0.5B: 2.9 -> 1.5 GiB resident). The decoder is
+        rebuilt on the copies."""
+        released = {id(m.weight) for m in self.dense.modules}
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            if id(tensor) not in released:
+                tensor.data = tensor.data.clone()
+        self.decoder = self._decoder()
+
+    def restore_dense(self, reason: str) -> None:
+        """Bring the released dense weights back for good (logged with ``reason``)."""
+        if self.dense is not None:
+            self.dense.restore(reason)
+
+    def _weight(self, linear) -> torch.Tensor:
+        """A linear's fp32 weight: the module's own, or dequantized for this call when released
+        (into this thread's scratch buffer: use it before the next call)."""
+        return self.dense.of(linear, scratch=True) if self.dense is not None else linear.weight
 
     def _decoder(self):
         """The compiled one-token decoder over the same blocks and the model's norm weights."""
@@ -115,13 +160,29 @@ class QuantizedLlama(BufferedEngine):
         dense weights' bytes); None otherwise. Same products as the dense weights up to fp32
         summation order."""
         if rows >= self.dense_from_rows:
-            return None
+            return self._dense_linears() if self.dense is not None and self.dense.released else None
 
         def bound(blocks):
             return lambda x: blocks(x, int8=self.int8, lib=self.lib)
 
         layers = [(bound(l.qkv), bound(l.o), bound(l.gate_up), bound(l.down)) for l in self.layers]
         return BlockLinears(layers, bound(self.head))
+
+    def _dense_linears(self) -> BlockLinears:
+        """The modules' linears on dense weights dequantized per call (released weights; the
+        products of the modules' own weights)."""
+
+        def linear(*modules):
+            if len(modules) == 1:
+                return lambda x: F.linear(x, self._weight(modules[0]), modules[0].bias)
+            return lambda x: torch.cat([F.linear(x, self._weight(m), m.bias) for m in modules], dim=-1)
+
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.module.self_attn, layer.module.mlp
+            layers.append((linear(attn.q_proj, attn.k_proj, attn.v_proj), linear(attn.o_proj),
+                           linear(mlp.gate_proj, mlp.up_proj), linear(mlp.down_proj)))
+        return BlockLinears(layers, lambda x: self.head(x, int8=self.int8, lib=self.lib))  # a few rows: the blocks
 
     @torch.no_grad()
     def forward_rows(self, cache, token_ids: torch.Tensor, start: int, capacity: int | None = None,
@@ -215,12 +276,12 @@ class QuantizedLlama(BufferedEngine):
             return self._layer_bf16(layer, bf16, hidden, keys, values, start, cos, sin, mask)
         attn, mlp = module.self_attn, module.mlp
         x = module.input_layernorm(hidden)
-        q, k, v = (F.linear(x, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = (F.linear(x, self._weight(p), p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         out = self._self_attention(q, k, v, keys, values, start, cos, sin, mask)
-        hidden = hidden + F.linear(out, attn.o_proj.weight)
+        hidden = hidden + F.linear(out, self._weight(attn.o_proj))
         x = module.post_attention_layernorm(hidden)
-        gate, up = F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)
-        return hidden + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight)
+        gate, up = F.linear(x, self._weight(mlp.gate_proj)), F.linear(x, self._weight(mlp.up_proj))
+        return hidden + F.linear(mlp.act_fn(gate) * up, self._weight(mlp.down_proj))
 
     def _self_attention(self, q, k, v, keys, values, start, cos, sin, mask):
         """Rotate ``q``/``k`` (rows ``[n, heads * head_dim]``) to their positions, write ``k``/``v``

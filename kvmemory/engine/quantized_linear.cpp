@@ -781,6 +781,74 @@ bool has_vnni() {
 #endif
 }
 
+// Output rows [row_begin, row_end) of a block weight as dense fp32 [rows, K]: the values
+// FusedBlocks.dequantize() gives (w = d * q + m for 4-bit codes, w = d * q for byte codes, one
+// scale per K / d.size(1) values), bit for bit: the product and the sum are rounded separately
+// (no contraction into an FMA). The engine's long inputs run on such copies, made per call, when
+// the model's dense weights were released.
+#pragma GCC push_options
+#pragma GCC optimize("O3", "fp-contract=off")
+// ``out``: a contiguous fp32 buffer of at least rows * K values to write into (reused across
+// calls: a fresh allocation of a large weight costs more in page faults than the dequantization),
+// or an empty tensor for a new one.
+torch::Tensor dequantize_rows(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t row_begin, int64_t row_end,
+                              torch::Tensor out) {
+  TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat32 && d.is_contiguous() && codes.is_contiguous(),
+              "scales must be contiguous fp32 [out, blocks], codes contiguous");
+  TORCH_CHECK(0 <= row_begin && row_begin <= row_end && row_end <= d.size(0), "rows out of range");
+  const bool four_bit = m.numel() > 0;
+  const int64_t nb = d.size(1), K = four_bit ? nb * kBlock : codes.size(1), block = K / nb;
+  if (out.numel() == 0) {
+    out = torch::empty({row_end - row_begin, K}, d.options());
+  } else {
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.numel() >= (row_end - row_begin) * K,
+                "out must be a contiguous fp32 buffer of at least rows * in values");
+    out = out.view(-1).narrow(0, 0, (row_end - row_begin) * K).view({row_end - row_begin, K});
+  }
+  float* op = out.data_ptr<float>();
+  const float* dp = d.data_ptr<float>();
+  at::parallel_for(row_begin, row_end, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      float* w = op + (o - row_begin) * K;
+      if (four_bit) {
+        const uint8_t* q = codes.data_ptr<uint8_t>() + o * (K / 2);
+        const float* mp = m.data_ptr<float>() + o * nb;
+        for (int64_t b = 0; b < nb; ++b) {
+#if defined(KVMEMORY_AVX512)
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)), low4 = _mm_set1_epi8(0xF);
+          const __m512 scale = _mm512_set1_ps(dp[o * nb + b]), min = _mm512_set1_ps(mp[b]);
+          const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4)));
+          const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4)));
+          _mm512_storeu_ps(w + b * kBlock, _mm512_add_ps(_mm512_mul_ps(low, scale), min));
+          _mm512_storeu_ps(w + b * kBlock + 16, _mm512_add_ps(_mm512_mul_ps(high, scale), min));
+          continue;
+#endif
+          for (int64_t j = 0; j < 16; ++j) {
+            const float scale = dp[o * nb + b], low = float(q[b * 16 + j] & 0xF), high = float(q[b * 16 + j] >> 4);
+            w[b * kBlock + j] = low * scale + mp[b];
+            w[b * kBlock + 16 + j] = high * scale + mp[b];
+          }
+        }
+      } else {
+        const int8_t* q = codes.data_ptr<int8_t>() + o * K;
+        for (int64_t b = 0; b < nb; ++b) {
+          const float scale = dp[o * nb + b];
+          int64_t j = b * block;
+#if defined(KVMEMORY_AVX512)
+          for (; j + 16 <= (b + 1) * block; j += 16)
+            _mm512_storeu_ps(w + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))),
+                                                  _mm512_set1_ps(scale)));
+#endif
+          for (; j < (b + 1) * block; ++j) w[j] = float(q[j]) * scale;
+        }
+      }
+    }
+  });
+  return out;
+}
+#pragma GCC pop_options
+
 // The SIMD paths this build compiled ("avx512", "avx2" or "portable"): what its flags enabled.
 std::string isa() {
 #if defined(KVMEMORY_AVX512)
@@ -1774,6 +1842,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q4_1_linear_i8", &q4_1_linear_i8, "x @ dequant(Q4_1 blocks).T with x quantized to int8 blocks (VNNI)",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("q8_0_linear_i8", &q8_0_linear_i8, "x @ dequant(Q8_0 blocks).T with x quantized to int8 blocks (VNNI)",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("dequantize_rows", &dequantize_rows, "output rows of a block weight as dense fp32 [rows, in]",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("has_vnni", &has_vnni, "whether this build has the int8-activation (VNNI) kernels");
   module.def("isa", &isa, "the SIMD paths this build compiled: avx512, avx2 or portable");

@@ -53,6 +53,9 @@ def attach(model, gguf: str | Path | None, engine: str = "auto") -> EngineStatus
     """
     if engine not in ENGINES:
         raise InputError(f"engine must be one of {', '.join(ENGINES)} (got {engine!r})")
+    held = _attached.get(model)
+    if isinstance(held, QuantizedLlama):  # what replaces it needs the dense weights (to verify, or to run on)
+        held.restore_dense(f"engine {engine!r} replaces the block engine")
     if engine == "transformers":
         _attached.pop(model, None)
         _refused.pop(model, None)
@@ -77,6 +80,21 @@ def attach(model, gguf: str | Path | None, engine: str = "auto") -> EngineStatus
     _attached[model] = built
     _refused.pop(model, None)
     return status(model)
+
+
+def release_dense(model) -> int:
+    """Drop ``model``'s dense linear weights while the block engine serves it (its blocks hold
+    them exactly; see :mod:`.dense`): the 1.5 B Qwen drops 6.6 GiB to run beside its 1.3 GiB of
+    blocks. Returns the bytes freed (0: no block engine, or already released)."""
+    engine = _attached.get(model)
+    return engine.release_dense() if isinstance(engine, QuantizedLlama) else 0
+
+
+def restore_dense(model) -> None:
+    """Bring back the dense weights :func:`release_dense` dropped (before editing them in place)."""
+    engine = _attached.get(model)
+    if isinstance(engine, QuantizedLlama):
+        engine.restore_dense("restore_dense was called")
 
 
 def status(model) -> EngineStatus:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.dense import parameter_value
+
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 # Module kind by projection name (eq. S4): K/V write the cache of their own layer; Q, O and MLP
 # only change what later layers see.
@@ -335,7 +337,7 @@ def base_weights_digest(model) -> str:
     for p in model.parameters():
         if id(p) in adapter_tensors:
             continue
-        t = p.detach().to("cpu").contiguous()
+        t = parameter_value(p).to("cpu").contiguous()  # a weight the engine released, dequantized
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
     digest = h.hexdigest()[:20]
