@@ -125,7 +125,6 @@ class DenseWeights:
             buffer = self._local.buffer = torch.empty(size)
         return buffer
 
-
     def restore(self, reason: str) -> None:
         """Bring every released weight back for good (logged with ``reason``; the hooks stay, idle)."""
         with self._lock:
