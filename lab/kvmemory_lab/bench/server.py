@@ -43,6 +43,7 @@ servers' logs go to a temporary folder (printed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -156,12 +157,10 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet
                 if httpx.get(f"{self.url}/ok", timeout=2).status_code == 200:
                     self.started_s = time.perf_counter() - t0
                     return
-            except httpx.HTTPError:  # not listening yet
-                pass
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name} did not answer /ok within {self.args.start_timeout:.0f} s:\n{self.tail()}")
