@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvmemory import engine, kvcache
-from kvmemory.engine import quantized
+from kvmemory.engine import quantized, restore_dense
 from kvmemory.engine.build import build
 from kvmemory.engine.llama import QuantizedLlama, _Layer
 from kvmemory.engine.quantized import ISAS, KernelUnavailableError, Q4Linear, Q8Linear, cpu_isas, kernel, kernel_isa
@@ -31,7 +31,9 @@ def _runnable(isa: str) -> str:
 
 
 def _built_on(model, isa: str, monkeypatch) -> QuantizedLlama:
-    """The embedded model's engine with its kernel built for ``isa`` (KVMEMORY_ISA)."""
+    """The embedded model's engine with its kernel built for ``isa`` (KVMEMORY_ISA), beside the one
+    load_model attached: that one released the dense weights, which this one verifies and prefills with."""
+    restore_dense(model)
     monkeypatch.setenv("KVMEMORY_ISA", isa)
     built = build(model, embedded_gguf_path())
     assert built.isa == isa and kernel_isa() == isa

@@ -1,10 +1,12 @@
-"""The block engine on the GGUF types Qwen2 / Llama files ship (Q4_0, Q4_K, Q5_0, Q6_K beside
-Q4_1 / Q8_0): each type read into the kernel's forms dequantizes bit for bit to what gguf-py
+"""The block engine on the GGUF types Qwen2 / Llama files ship (Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, F16
+beside Q4_1 / Q8_0): each type read into the kernel's forms dequantizes bit for bit to what gguf-py
 (and so transformers' GGUF loader) gives; 16-value byte blocks multiply right on every ISA; a
 decoder mixing forms per linear, with Qwen2's q/k/v biases, computes transformers' rows; and
 the real Qwen2.5-Coder-0.5B GGUF runs on the engine with rows equal to transformers' forward."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -13,9 +15,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvmemory import engine, kvcache
-from kvmemory.engine.gguf_blocks import read_q4_0, read_q4_1, read_q4_k, read_q5_0, read_q6_k, read_q8_0
+from kvmemory.engine.gguf_blocks import read_f16, read_q4_0, read_q4_1, read_q4_k, read_q5_0, read_q5_k, read_q6_k, read_q8_0
 from kvmemory.engine.llama import QuantizedLlama, _Layer
-from kvmemory.engine.quantized import ISAS, FusedBlocks, Q4Linear, Q8Linear, cpu_isas, kernel
+from kvmemory.engine.quantized import ISAS, F16Linear, FusedBlocks, Q4Linear, Q8Linear, cpu_isas, kernel
 from kvmemory.engine.reference import TransformersEngine
 from kvmemory.errors import ModelNotFoundError
 from kvmemory.models import load_model
@@ -31,16 +33,20 @@ LINEAR_RTOL = 1e-5  # a linear's products against x @ dequantize(W).T (a wrong n
 # block bytes of each type and where its fp16 fields lie (set to finite values in random blocks)
 LAYOUTS = {
     "Q4_0": (18, [0], read_q4_0), "Q4_1": (20, [0, 2], read_q4_1), "Q4_K": (144, [0, 2], read_q4_k),
-    "Q5_0": (22, [0], read_q5_0), "Q6_K": (210, [208], read_q6_k), "Q8_0": (34, [0], read_q8_0),
+    "Q5_0": (22, [0], read_q5_0), "Q5_K": (176, [0, 2], read_q5_k), "Q6_K": (210, [208], read_q6_k),
+    "Q8_0": (34, [0], read_q8_0), "F16": (2, [], read_f16),
 }
-WEIGHTS_PER_BLOCK = {"Q4_K": 256, "Q6_K": 256}
+WEIGHTS_PER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BYTE_FORM = ("Q5_0", "Q5_K", "Q6_K", "Q8_0")  # read into signed-byte codes (Q8Linear)
 
 
 def _random_raw(kind: str, rows: int, width: int, seed: int = 0) -> np.ndarray:
     """Random blocks of ``kind`` for a ``[rows, width]`` weight: random bytes, fp16 fields finite."""
     size, halves, _ = LAYOUTS[kind]
-    blocks = width // WEIGHTS_PER_BLOCK.get(kind, 32)
     rng = np.random.default_rng(seed)
+    if kind == "F16":  # values, not blocks
+        return (rng.standard_normal((rows, width)) * 0.05).astype(np.float16).view(np.uint8)
+    blocks = width // WEIGHTS_PER_BLOCK.get(kind, 32)
     raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
     for at in halves:
         raw[..., at:at + 2] = (rng.standard_normal((rows, blocks, 1)) * 0.01).astype(np.float16).view(np.uint8)
@@ -58,7 +64,7 @@ def test_each_type_reads_into_the_kernel_forms_bit_for_bit(kind):
     raw = _random_raw(kind, rows=6, width=512)
     blocks = LAYOUTS[kind][2](raw)
     expected = gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(6, 512)
-    assert isinstance(blocks, Q8Linear if kind in ("Q5_0", "Q6_K", "Q8_0") else Q4Linear)
+    assert isinstance(blocks, F16Linear if kind == "F16" else Q8Linear if kind in BYTE_FORM else Q4Linear)
     assert torch.equal(blocks.dequantize(), torch.from_numpy(np.ascontiguousarray(expected, dtype=np.float32)))
 
 
@@ -77,6 +83,41 @@ def test_sixteen_value_byte_blocks_multiply_right_on_each_isa(isa):
         torch.testing.assert_close(got, ref, atol=LINEAR_RTOL * ref.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_byte_blocks_with_mins_multiply_right_on_each_isa(isa):
+    """Q5_K's form (byte codes with a min per 32 weights): one row, several rows, R threads' rows
+    at once (batched decoding's path) and int8 activations where VNNI runs, against
+    x @ dequantize(W).T; the one-row and several-row paths agree bit for bit row by row."""
+    lib = kernel(_runnable(isa))
+    weight = read_q5_k(_random_raw("Q5_K", rows=70, width=512, seed=4))
+    assert weight.has_mins and weight.block == 32
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 5, 11):
+        x = torch.randn(m, 512, generator=g)
+        ref = (x.double() @ weight.dequantize().double().T).float()
+        got = weight(x, lib=lib)
+        torch.testing.assert_close(got, ref, atol=LINEAR_RTOL * ref.abs().max().item(), rtol=0)
+        without_mins = Q8Linear(weight.codes, weight.scales)(x, lib=lib)  # a lost min term shows
+        assert (without_mins - ref).abs().max() > 1e-2 * ref.abs().max()
+    if lib.has_vnni():
+        got = weight(x[:1], int8=True, lib=lib)
+        torch.testing.assert_close(got, ref[:1], atol=2e-2 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_f16_weights_multiply_right_on_each_isa(isa):
+    """An F16 linear (fp16 values, no blocks; a width that is not a multiple of the SIMD steps):
+    one row and several rows against x @ W.T, the same bits either way."""
+    lib = kernel(_runnable(isa))
+    weight = read_f16(_random_raw("F16", rows=37, width=520, seed=6))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 520, generator=g)
+    ref = (x.double() @ weight.dequantize().double().T).float()
+    got = weight(x, lib=lib)
+    torch.testing.assert_close(got, ref, atol=LINEAR_RTOL * ref.abs().max().item(), rtol=0)
+    assert torch.equal(weight(x[3:4], lib=lib), got[3:4])
+
+
 def _mixed_qwen2() -> QuantizedLlama:
     """A 2-layer random Qwen2 (q/k/v biases, head_dim 64, 8 query heads per KV head: the per-head
     attention path the 0.5B's 7 take; widths multiples of 256 for the K types) whose linears are random blocks of several types, one form per linear as a Q4_K_M file mixes
@@ -92,7 +133,7 @@ def _mixed_qwen2() -> QuantizedLlama:
         return found
 
     layers = []
-    for module, kinds in zip(model.model.layers, [("Q4_K", "Q6_K", "Q5_0", "Q4_0"), ("Q5_0", "Q8_0", "Q4_K", "Q6_K")]):
+    for module, kinds in zip(model.model.layers, [("Q4_K", "Q6_K", "Q5_0", "Q4_0"), ("Q5_0", "Q8_0", "Q5_K", "F16")]):
         attn, mlp = module.self_attn, module.mlp
         for p in (attn.q_proj, attn.k_proj, attn.v_proj):
             p.bias.data.normal_(0, 0.5)
@@ -172,3 +213,44 @@ def test_the_qwen_files_have_only_types_the_engine_reads(qwen_file):
 
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(qwen_file)).tensors}
     assert kinds <= set(READ_TYPES) | {"F32"} and {"Q4_K", "Q6_K"} <= kinds
+
+
+@pytest.fixture(scope="module")
+def rewritten_embedded():
+    """The embedded SmolLM2's GGUF with its ffn_down linears re-encoded as Q5_K and attn_output as
+    F16 (types the packaged files lack), written once into kvmemory's cache folder."""
+    from kvmemory.models import embedded_gguf_path
+    from kvmemory.paths import cache_root
+
+    from gguf_rewrite import rewrite_gguf
+
+    target = cache_root() / "test-gguf" / "smollm2-135m-q5_k-f16.gguf"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.partial")
+        rewrite_gguf(embedded_gguf_path(), partial, {r"blk\.\d+\.ffn_down\.weight": "Q5_K", r"blk\.\d+\.attn_output\.weight": "F16"})
+        partial.replace(target)
+    return load_model(target)
+
+
+@pytest.mark.real_model
+def test_a_real_model_with_q5_k_and_f16_linears_runs_on_the_engine(rewritten_embedded):
+    """The embedded model's real weights in Q5_K (ffn_down) and F16 (attn_output) beside Q4_1: the
+    engine attaches, its linears hold those forms, and prefill, a draft check and decoded tokens
+    give transformers' logits and K/V rows."""
+    loaded = rewritten_embedded
+    assert loaded.engine == engine.EngineStatus("q4_1", isa=cpu_isas()[0])
+    layer = engine.engine_for(loaded.model, kvcache.new_cache(loaded.model.config)).layers[0]
+    assert isinstance(layer.o.parts[0], F16Linear) and layer.down.parts[0].has_mins
+    ids = torch.tensor(loaded.tokenizer("The quick brown fox jumps over the lazy dog. " * 14)["input_ids"][:130])
+    vocab = loaded.model.config.vocab_size
+    fast, ref = kvcache.new_cache(loaded.model.config), kvcache.new_cache(loaded.model.config)
+    got, want = [], []
+    for start, end, every in [(0, 110, False), (110, 118, True), (118, 119, False), (119, 120, False)]:
+        got.append(engine.forward_rows(loaded.model, fast, ids[start:end], start, every_row=every).reshape(-1, vocab))
+        want.append(TransformersEngine(loaded.model).forward_rows(ref, ids[start:end], start, every_row=every).reshape(-1, vocab))
+    got, want = torch.cat(got), torch.cat(want)
+    torch.testing.assert_close(got, want, atol=ROWS_RTOL * want.abs().max().item(), rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for a, b in zip(fast.layers, ref.layers):
+        torch.testing.assert_close(a.keys[..., :120, :], b.keys, atol=1e-4 * b.keys.abs().max().item(), rtol=0)

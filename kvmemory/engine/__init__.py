@@ -39,10 +39,10 @@ from .batching import DecodeBatcher, decode_batcher
 from .cores import CORES, share_cores
 from .interface import BlockLinears, Engine, EngineStatus, ForwardResult
 from .gguf_blocks import load_gguf_blocks
-from .quantized import FusedBlocks, KernelUnavailableError, Q4Linear, Q8Linear, kernel, kernel_isa
+from .quantized import F16Linear, FusedBlocks, KernelUnavailableError, Q4Linear, Q8Linear, kernel, kernel_isa
 from .registry import BLOCK_ENGINES, ENGINES, attach, engine_for, forward_rows, release_dense, restore_dense, status
 
 __all__ = [
     "BLOCK_ENGINES", "CORES", "DecodeBatcher", "ENGINES", "BlockLinears", "Engine", "EngineStatus", "ForwardResult", "FusedBlocks",
-    "KernelUnavailableError", "Q4Linear", "Q8Linear", "attach", "decode_batcher", "engine_for", "forward_rows", "kernel", "kernel_isa", "load_gguf_blocks", "release_dense", "restore_dense", "share_cores", "status",
+    "F16Linear", "KernelUnavailableError", "Q4Linear", "Q8Linear", "attach", "decode_batcher", "engine_for", "forward_rows", "kernel", "kernel_isa", "load_gguf_blocks", "release_dense", "restore_dense", "share_cores", "status",
 ]

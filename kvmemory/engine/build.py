@@ -11,8 +11,10 @@ import torch
 from ..errors import EngineUnsupportedError
 from .gguf_blocks import READ_TYPES, load_gguf_blocks
 from .llama import QuantizedLlama, _Layer
-from .quantized import FusedBlocks, KernelUnavailableError, Q4Linear, Q8Linear, kernel
+from .quantized import F16Linear, FusedBlocks, KernelUnavailableError, Q4Linear, Q8Linear, kernel
 from .watch import has_lora
+
+LINEAR_FORMS = (Q4Linear, Q8Linear, F16Linear)
 
 
 def build(model, gguf: Path, int8_activations: bool = False, bf16_prefill: bool = False) -> QuantizedLlama:
@@ -84,9 +86,9 @@ def _verified_layer(model, i: int, blocks: dict) -> _Layer:
     text = model.config.get_text_config()
     permuted = model.config.model_type == "llama"  # llama.cpp's converter permutes Llama's q / k rows only
 
-    def get(name: str, target, heads: int | None = None) -> Q4Linear | Q8Linear:
+    def get(name: str, target, heads: int | None = None) -> Q4Linear | Q8Linear | F16Linear:
         found = blocks.get(f"blk.{i}.{name}.weight")
-        if not isinstance(found, (Q4Linear, Q8Linear)):
+        if not isinstance(found, LINEAR_FORMS):
             raise EngineUnsupportedError(
                 f"layer {i} {name}: its GGUF tensor is not of a type the engine reads ({', '.join(READ_TYPES)})")
         if heads is not None and permuted:  # stored interleaved for llama.cpp's rotary layout
@@ -112,7 +114,7 @@ def _unpermute(rows: int, heads: int) -> torch.Tensor:
 
 
 def _check_equal(blocks, weight: torch.Tensor, name: str) -> None:
-    if not isinstance(blocks, (Q4Linear, Q8Linear)) or tuple(blocks.shape) != tuple(weight.shape):
+    if not isinstance(blocks, LINEAR_FORMS) or tuple(blocks.shape) != tuple(weight.shape):
         raise EngineUnsupportedError(f"{name}: no block tensor of shape {tuple(weight.shape)} in the GGUF file")
     if not torch.equal(blocks.dequantize(), weight.detach()):
         raise EngineUnsupportedError(

@@ -146,9 +146,8 @@ class DenseWeights:
                 "kvmemory.engine.restore_dense(model) before editing its weights")
         source = self._sources[module]
         part = source.part
-        empty = torch.empty(0)
-        return self.lib.dequantize_rows(part.codes, part.scales, getattr(part, "mins", empty), source.begin, source.end,
-                                        empty if out is None else out)
+        return self.lib.dequantize_rows(part.codes, part.scales, part.mins, source.begin, source.end,
+                                        torch.empty(0) if out is None else out)
 
     def _before_forward(self, module, args) -> None:
         with self._lock:

@@ -1,8 +1,9 @@
-"""GGUF tensors read into the kernel's two block forms, exactly.
+"""GGUF tensors read into the kernel's block forms, exactly.
 
 The kernel (``quantized_linear.cpp``) multiplies by 4-bit codes with an fp32 scale and min per
 32 weights (:class:`~kvmemory.engine.quantized.Q4Linear`) or by signed-byte codes with an fp32
-scale per 32 or 16 weights (:class:`~kvmemory.engine.quantized.Q8Linear`). The block types
+scale per 32 or 16 weights, and optionally a min per 32 (:class:`~kvmemory.engine.quantized.Q8Linear`).
+F16 linears keep their fp16 values (:class:`~kvmemory.engine.quantized.F16Linear`). The block types
 llama.cpp's Llama / Qwen2 GGUFs ship map onto them without changing a single weight value:
 
 ========  =============================================  ====================================
@@ -14,12 +15,15 @@ Q4_K      d * sc_s * q - dmin * m_s (8 sub-blocks of 32)  Q4: scale d * sc_s, mi
 Q8_0      d * q (q int8, per 32)                          Q8: scale d
 Q5_0      d * (q - 16) (q 5-bit)                          Q8: code q - 16, scale d
 Q6_K      d * sc_s * (q - 32) (16 sub-blocks of 16)       Q8 per 16: code q - 32, scale d * sc_s
+Q5_K      d * sc_s * q - dmin * m_s (q 5-bit, per 32)     Q8 with mins: code q, scale d * sc_s,
+                                                          min -(dmin * m_s)
 ========  =============================================  ====================================
 
 Every product above is exact in fp32 (an fp16 mantissa times a small integer), so the
 dequantized blocks equal bit for bit what ``gguf.quants.dequantize`` (and so transformers'
 GGUF loader) gives; :func:`kvmemory.engine.build.build` checks it weight by weight. Other types
-(Q5_K, Q2_K, F16 linears, ...) are not read: the engine then refuses the model with the reason.
+(Q2_K, Q3_K, IQ*, BF16, ...) are not read: the engine then refuses the model with the reason. F16
+linears are kept as their fp16 values (:class:`~kvmemory.engine.quantized.F16Linear`).
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ import numpy as np
 import torch
 
 from ..paths import cache_root
-from .quantized import Q4Linear, Q8Linear
+from .quantized import F16Linear, Q4Linear, Q8Linear
 
-READ_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0")  # and F32 tensors (norms, biases)
+READ_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0", "F16")  # and F32 tensors (norms, biases)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -54,10 +58,11 @@ def _q4_linear(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> Q4Lin
                     torch.from_numpy(np.ascontiguousarray(mins.reshape(rows, -1), dtype=np.float32)))
 
 
-def _q8_linear(codes: np.ndarray, scales: np.ndarray) -> Q8Linear:
+def _q8_linear(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray | None = None) -> Q8Linear:
     rows = codes.shape[0]
-    return Q8Linear(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1).astype(np.int8))),
-                    torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1), dtype=np.float32)))
+    fp32 = [torch.from_numpy(np.ascontiguousarray(x.reshape(rows, -1), dtype=np.float32))
+            for x in ((scales,) if mins is None else (scales, mins))]
+    return Q8Linear(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1).astype(np.int8))), *fp32)
 
 
 def read_q4_1(raw: np.ndarray) -> Q4Linear:
@@ -87,6 +92,29 @@ def read_q4_k(raw: np.ndarray) -> Q4Linear:
     values = (qs & 0x0F).reshape(-1, 8, 32)  # [super-blocks, sub-block, 32] in weight order
     codes = _q4_pairs(values).reshape(rows, -1)
     return _q4_linear(codes, (d * sc).reshape(rows, -1), (-(dmin * m)).reshape(rows, -1))
+
+
+def read_q5_k(raw: np.ndarray) -> Q8Linear:
+    """``raw`` uint8 ``[rows, super-blocks * 176]``: fp16 d, fp16 dmin, 12 bytes of 6-bit scales
+    and mins (as Q4_K), 32 bytes of high bits (bit s of byte i: weight i of sub-block s), 128 bytes
+    of low nibbles (as Q4_K); w = d * sc_s * q - dmin * m_s with q 5-bit, per 32 weights."""
+    from gguf.quants import Q4_K
+
+    rows = raw.shape[0]
+    b = raw.reshape(-1, 176)
+    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    sc, m = (x.reshape(-1, 8).astype(np.float32) for x in Q4_K.get_scale_min(b[:, 4:16]))
+    low = (b[:, 48:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (b[:, 16:48].reshape(-1, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 0x01
+    codes = (low.reshape(-1, 8, 32) | (high.reshape(-1, 8, 32) << 4)).reshape(rows, -1)
+    return _q8_linear(codes, (d * sc).reshape(rows, -1), (-(dmin * m)).reshape(rows, -1))
+
+
+def read_f16(raw: np.ndarray) -> F16Linear:
+    """``raw`` fp16 ``[rows, in]``, or its bytes uint8 ``[rows, in * 2]`` (an F16 tensor: its
+    values, no blocks)."""
+    raw = np.ascontiguousarray(raw)
+    return F16Linear(torch.from_numpy(raw.view(np.float16) if raw.dtype == np.uint8 else raw.astype(np.float16)))
 
 
 def read_q8_0(raw: np.ndarray) -> Q8Linear:
@@ -120,19 +148,22 @@ def read_q6_k(raw: np.ndarray) -> Q8Linear:
 
 
 _READERS = {"Q4_0": read_q4_0, "Q4_1": read_q4_1, "Q4_K": read_q4_k, "Q5_0": read_q5_0,
-            "Q6_K": read_q6_k, "Q8_0": read_q8_0}
+            "Q5_K": read_q5_k, "Q6_K": read_q6_k, "Q8_0": read_q8_0, "F16": read_f16}
 
 
-def read_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | torch.Tensor]:
-    """Every tensor of a GGUF file by its GGUF name: the :data:`READ_TYPES` as blocks, F32 as
-    tensors. Other types are skipped (the caller finds them missing and says so)."""
+def read_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | F16Linear | torch.Tensor]:
+    """Every tensor of a GGUF file by its GGUF name: the :data:`READ_TYPES` as blocks (F16 as
+    :class:`F16Linear`; a 1-D F16 tensor, a norm or bias, as fp32), F32 as tensors. Other types are
+    skipped (the caller finds them missing and says so)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     out: dict[str, Q4Linear | Q8Linear | torch.Tensor] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
-        if kind in _READERS:
+        if kind == "F16" and len(t.data.shape) == 1:
+            out[t.name] = torch.from_numpy(np.array(t.data, dtype=np.float32))
+        elif kind in _READERS:
             out[t.name] = _READERS[kind](np.asarray(t.data))
         elif kind == "F32":
             out[t.name] = torch.from_numpy(np.array(t.data, dtype=np.float32))
@@ -146,7 +177,7 @@ def load_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | torch.Tensor
     from safetensors.torch import load_file, save_file
 
     stat = path.stat()
-    copy = cache_root() / "blocks" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-v2.safetensors"
+    copy = cache_root() / "blocks" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-v3.safetensors"
     if copy.is_file():
         return _from_flat(load_file(str(copy)))
     blocks = read_gguf_blocks(path)
@@ -164,6 +195,10 @@ def _to_flat(blocks: dict) -> dict[str, torch.Tensor]:
             flat.update({f"{name}:q4.codes": value.codes, f"{name}:q4.scales": value.scales, f"{name}:q4.mins": value.mins})
         elif isinstance(value, Q8Linear):
             flat.update({f"{name}:q8.codes": value.codes, f"{name}:q8.scales": value.scales})
+            if value.has_mins:
+                flat[f"{name}:q8.mins"] = value.mins
+        elif isinstance(value, F16Linear):
+            flat[f"{name}:f16"] = value.codes
         else:
             flat[f"{name}:f32"] = value.contiguous()
     return flat
@@ -175,8 +210,11 @@ def _from_flat(flat: dict[str, torch.Tensor]) -> dict:
         name, kind = key.split(":")
         if kind == "f32":
             blocks[name] = flat[key]
+        elif kind == "f16":
+            blocks[name] = F16Linear(flat[key])
         elif kind == "q4.codes":
             blocks[name] = Q4Linear(flat[key], flat[f"{name}:q4.scales"], flat[f"{name}:q4.mins"])
         elif kind == "q8.codes":
-            blocks[name] = Q8Linear(flat[key], flat[f"{name}:q8.scales"])
+            mins = flat.get(f"{name}:q8.mins")
+            blocks[name] = Q8Linear(flat[key], flat[f"{name}:q8.scales"], *([] if mins is None else [mins]))
     return blocks

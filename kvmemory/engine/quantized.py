@@ -206,10 +206,21 @@ class Q4Linear:
 @dataclass
 class Q8Linear:
     """Byte-code weight ``[out, in]``: ``codes`` int8 ``[out, in]``, ``scales`` fp32 ``[out, in/32]``
-    (Q8_0, Q5_0) or ``[out, in/16]`` (Q6_K's 16-value sub-blocks); w = scale * code."""
+    (Q8_0, Q5_0) or ``[out, in/16]`` (Q6_K's 16-value sub-blocks); w = scale * code. ``mins``: empty,
+    or fp32 ``[out, in/32]`` (Q5_K) with w = scale * code + min."""
 
     codes: torch.Tensor
     scales: torch.Tensor
+    mins: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
+
+    def __post_init__(self):
+        if self.has_mins and (self.mins.shape != self.scales.shape or self.block != BLOCK):
+            raise ValueError(f"byte codes' mins must be [out, in/32] like their scales (got {tuple(self.mins.shape)} "
+                             f"beside scales {tuple(self.scales.shape)})")
+
+    @property
+    def has_mins(self) -> bool:
+        return self.mins.numel() > 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -217,14 +228,14 @@ class Q8Linear:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 4
+        return self.codes.numel() + (self.scales.numel() + self.mins.numel()) * 4
 
     def __call__(self, x: torch.Tensor, int8: bool = False, lib=None) -> torch.Tensor:
         """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]`` (``int8``, ``lib`` as for :class:`Q4Linear`)."""
         lib = lib or kernel()
         if int8:
-            return lib.q8_0_linear_i8(x.contiguous(), self.codes, self.scales)
-        return lib.q8_0_linear(x.contiguous(), self.codes, self.scales)
+            return lib.q8_0_linear_i8(x.contiguous(), self.codes, self.scales, self.mins)
+        return lib.q8_0_linear(x.contiguous(), self.codes, self.scales, self.mins)
 
     @property
     def block(self) -> int:
@@ -233,15 +244,58 @@ class Q8Linear:
 
     def dequantize(self) -> torch.Tensor:
         out, width = self.shape
-        return (self.codes.view(out, -1, self.block).float() * self.scales[..., None]).reshape(out, width)
+        weight = self.codes.view(out, -1, self.block).float() * self.scales[..., None]
+        return (weight + self.mins[..., None] if self.has_mins else weight).reshape(out, width)
 
     def rows(self, index: torch.Tensor) -> "Q8Linear":
-        return Q8Linear(self.codes[index].contiguous(), self.scales[index].contiguous())
+        return Q8Linear(self.codes[index].contiguous(), self.scales[index].contiguous(),
+                        self.mins[index].contiguous() if self.has_mins else self.mins)
 
     @staticmethod
     def concat(parts: list["Q8Linear"]) -> "Q8Linear":
-        """One weight whose output rows are ``parts``' rows in order (same block size)."""
-        return Q8Linear(*(torch.cat([getattr(p, f) for p in parts]).contiguous() for f in ("codes", "scales")))
+        """One weight whose output rows are ``parts``' rows in order (same block size, all with
+        mins or none)."""
+        fields = ("codes", "scales", "mins") if parts[0].has_mins else ("codes", "scales")
+        return Q8Linear(*(torch.cat([getattr(p, f) for p in parts]).contiguous() for f in fields))
+
+
+@dataclass
+class F16Linear:
+    """An F16 linear's weight ``[out, in]`` as the file stores it: ``codes`` fp16 ``[out, in]`` (the
+    values themselves, no blocks; 2 bytes per weight). Multiplied in fp32 (the int8-activation
+    engines run these linears in fp32 too)."""
+
+    codes: torch.Tensor
+
+    def __post_init__(self):
+        if self.codes.dtype != torch.float16 or self.codes.dim() != 2:
+            raise ValueError(f"an F16 weight is an fp16 [out, in] tensor (got {self.codes.dtype} {tuple(self.codes.shape)})")
+
+    # the kernel's (codes, scales, mins) triple of a linear: no scales, no mins
+    scales = property(lambda self: torch.empty(0))
+    mins = property(lambda self: torch.empty(0))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * 2
+
+    def __call__(self, x: torch.Tensor, int8: bool = False, lib=None) -> torch.Tensor:
+        """``x`` fp32 ``[M, in]`` -> fp32 ``[M, out]`` (``int8`` is ignored: fp32 products)."""
+        return (lib or kernel()).f16_linear(x.contiguous(), self.codes)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float()
+
+    def rows(self, index: torch.Tensor) -> "F16Linear":
+        return F16Linear(self.codes[index].contiguous())
+
+    @staticmethod
+    def concat(parts: list["F16Linear"]) -> "F16Linear":
+        return F16Linear(torch.cat([p.codes for p in parts]).contiguous())
 
 
 @dataclass
@@ -287,19 +341,18 @@ class FusedBlocks:
         return y if self.bias is None else y + self.bias
 
     def kernel_tensors(self) -> list[torch.Tensor]:
-        """(codes, scales, mins) per part (an empty mins for byte codes), then the bias if any: the
+        """(codes, scales, mins) per part (an empty mins for byte codes without), then the bias if any: the
         compiled decoder's form of this linear."""
-        empty = torch.empty(0)
-        tensors = [t for p in self.parts for t in (p.codes, p.scales, getattr(p, "mins", empty))]
+        tensors = [t for p in self.parts for t in (p.codes, p.scales, p.mins)]
         return tensors + ([self.bias] if self.bias is not None else [])
 
 
 def _same_form(a, b) -> bool:
-    return type(a) is type(b) and (not isinstance(a, Q8Linear) or a.block == b.block)
+    return type(a) is type(b) and (not isinstance(a, Q8Linear) or (a.block, a.has_mins) == (b.block, b.has_mins))
 
 
 def on_huge_pages(linears: list) -> list:
-    """Copies of ``linears`` (:class:`Q4Linear` / :class:`Q8Linear`) whose tensors lie one after
+    """Copies of ``linears`` (:class:`Q4Linear` / :class:`Q8Linear` / :class:`F16Linear`) whose tensors lie one after
     another in one buffer that Linux may back with 2 MB pages (:func:`~kvmemory.engine.buffers.huge_pages`).
     A decoded token streams every block once (~110 MB for SmolLM2); in 4 KB pages that is ~27,000
     TLB misses per token. Same values, same shapes; a hint only (nothing changes where it is not granted)."""

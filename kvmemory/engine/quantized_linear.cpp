@@ -1,7 +1,8 @@
 // Linears over GGUF weight blocks in two forms, computed in fp32 (CPU), and the same with int8
 // activations (VNNI; below). Other GGUF block types are read into these forms exactly (same
-// weight values, see kvmemory/engine/quantized.py): Q4_K and Q4_0 as Q4_1 blocks with fp32
-// scale and min per 32 weights, Q5_0 as Q8_0 blocks, Q6_K as byte codes with a scale per 16.
+// weight values, see kvmemory/engine/gguf_blocks.py): Q4_K and Q4_0 as Q4_1 blocks with fp32
+// scale and min per 32 weights, Q5_0 as Q8_0 blocks, Q6_K as byte codes with a scale per 16,
+// Q5_K as byte codes with a scale and a min per 32. F16 linears keep their fp16 values.
 //
 // A Q4_1 block holds 32 weights of one output row as w_j = d * q_j + m (q_j a 4-bit code; bytes
 // 0..15 hold codes 0..15 in their low nibbles and codes 16..31 in their high nibbles, as in GGUF).
@@ -69,6 +70,12 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& codes, const torc
               d.size(1) == x.size(1) / kBlock, "scales must be contiguous fp32 [N, K/32]");
 }
 
+// Byte codes' optional mins: empty, or fp32 [N, K/32] like their scales (one per 32 weights).
+void check_byte_mins(const torch::Tensor& m, const torch::Tensor& d) {
+  TORCH_CHECK(m.numel() == 0 || (m.scalar_type() == torch::kFloat32 && m.is_contiguous() && m.sizes() == d.sizes()),
+              "byte codes' mins must be empty or contiguous fp32 [N, K/32] like their scales");
+}
+
 // Sum of each 32-element block of every activation row: [M, K/32].
 torch::Tensor block_sums(const torch::Tensor& x) {
   const int64_t M = x.size(0), nb = x.size(1) / kBlock;
@@ -81,6 +88,17 @@ torch::Tensor block_sums(const torch::Tensor& x) {
     op[i] = total;
   }
   return out;
+}
+
+// Byte codes with a min per 32 weights (Q5_K: w = d * q + m): the min's share of output rows
+// [begin, end) of y (row stride 1) for one activation row with block sums xs [nb], added in one
+// fixed order on every path (one row, several rows, batched), so all of them agree bit for bit.
+inline void add_min_terms(const float* m, int64_t nb, const float* xs, float* y, int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; ++o) {
+    float total = 0.f;
+    for (int64_t b = 0; b < nb; ++b) total += m[o * nb + b] * xs[b];
+    y[o] += total;
+  }
 }
 
 // One output row of a Q4_1 weight (codes q, scales d and mins m of its nb blocks) times one
@@ -326,6 +344,34 @@ void q4_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const f
       y[i * N + o] = q4_row_dot(codes + o * nb * 16, d + o * nb, m + o * nb, x + i * K, xs + i * nb, nb);
     }
   }
+}
+
+// One fp16 weight row (an F16 linear: the file's values, no blocks) times x [K], fp32 products and
+// sums in one fixed order per build, so every path (one row, several rows, batched) agrees.
+inline float f16_row_dot(const at::Half* w, const float* x, int64_t K) {
+  int64_t j = 0;
+  float total = 0.f;
+#if defined(KVMEMORY_AVX512)
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (; j + 32 <= K; j += 32) {
+    a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j))),
+                         _mm512_loadu_ps(x + j), a0);
+    a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j + 16))),
+                         _mm512_loadu_ps(x + j + 16), a1);
+  }
+  total = hsum(_mm512_add_ps(a0, a1));
+#elif defined(KVMEMORY_AVX2)
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; j + 16 <= K; j += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j))),
+                         _mm256_loadu_ps(x + j), a0);
+    a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j + 8))),
+                         _mm256_loadu_ps(x + j + 8), a1);
+  }
+  total = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; j < K; ++j) total += float(w[j]) * x[j];
+  return total;
 }
 
 // Portable dot of one byte-code row with x: nb blocks of `block` weights (32, or 16 for Q6_K),
@@ -782,8 +828,8 @@ bool has_vnni() {
 }
 
 // Output rows [row_begin, row_end) of a block weight as dense fp32 [rows, K]: the values
-// FusedBlocks.dequantize() gives (w = d * q + m for 4-bit codes, w = d * q for byte codes, one
-// scale per K / d.size(1) values), bit for bit: the product and the sum are rounded separately
+// FusedBlocks.dequantize() gives (w = d * q + m for 4-bit codes and for byte codes with mins,
+// w = d * q for byte codes without, one scale per K / d.size(1) values), bit for bit: the product and the sum are rounded separately
 // (no contraction into an FMA). The engine's long inputs run on such copies, made per call, when
 // the model's dense weights were released.
 #pragma GCC push_options
@@ -793,10 +839,19 @@ bool has_vnni() {
 // or an empty tensor for a new one.
 torch::Tensor dequantize_rows(torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t row_begin, int64_t row_end,
                               torch::Tensor out) {
+  if (codes.scalar_type() == torch::kHalf) {  // an F16 linear: its values, converted exactly
+    TORCH_CHECK(codes.dim() == 2 && 0 <= row_begin && row_begin <= row_end && row_end <= codes.size(0), "rows out of range");
+    const int64_t K = codes.size(1);
+    auto rows = codes.narrow(0, row_begin, row_end - row_begin);
+    if (out.numel() == 0) return rows.to(torch::kFloat32);
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.numel() >= (row_end - row_begin) * K,
+                "out must be a contiguous fp32 buffer of at least rows * in values");
+    return out.view(-1).narrow(0, 0, (row_end - row_begin) * K).view({row_end - row_begin, K}).copy_(rows);
+  }
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat32 && d.is_contiguous() && codes.is_contiguous(),
               "scales must be contiguous fp32 [out, blocks], codes contiguous");
   TORCH_CHECK(0 <= row_begin && row_begin <= row_end && row_end <= d.size(0), "rows out of range");
-  const bool four_bit = m.numel() > 0;
+  const bool four_bit = codes.scalar_type() == torch::kUInt8, byte_mins = !four_bit && m.numel() > 0;
   const int64_t nb = d.size(1), K = four_bit ? nb * kBlock : codes.size(1), block = K / nb;
   if (out.numel() == 0) {
     out = torch::empty({row_end - row_begin, K}, d.options());
@@ -834,13 +889,17 @@ torch::Tensor dequantize_rows(torch::Tensor codes, torch::Tensor d, torch::Tenso
         for (int64_t b = 0; b < nb; ++b) {
           const float scale = dp[o * nb + b];
           int64_t j = b * block;
+          const float min = byte_mins ? m.data_ptr<float>()[o * nb + b] : 0.f;
 #if defined(KVMEMORY_AVX512)
-          for (; j + 16 <= (b + 1) * block; j += 16)
-            _mm512_storeu_ps(w + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))),
-                                                  _mm512_set1_ps(scale)));
+          for (; j + 16 <= (b + 1) * block; j += 16) {
+            const __m512 product = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)))),
+                _mm512_set1_ps(scale));
+            _mm512_storeu_ps(w + j, byte_mins ? _mm512_add_ps(product, _mm512_set1_ps(min)) : product);
+          }
 #endif
-          for (; j < (b + 1) * block; ++j) w[j] = float(q[j]) * scale;
+          // no "+ 0" without a min: it would turn a -0 weight into +0
+          for (; j < (b + 1) * block; ++j) w[j] = byte_mins ? float(q[j]) * scale + min : float(q[j]) * scale;
         }
       }
     }
@@ -893,15 +952,34 @@ torch::Tensor q4_1_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor
 #endif
 }
 
+// x [M, K] fp32, w fp16 [N, K] (an F16 linear) -> y [M, N] fp32, each value f16_row_dot's
+torch::Tensor f16_linear(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be a contiguous fp32 [M, K] tensor");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kHalf && w.is_contiguous() && w.size(1) == x.size(1),
+              "an F16 weight must be a contiguous fp16 [N, K] tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const at::Half* wp = w.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t i = 0; i < M; ++i) yp[i * N + o] = f16_row_dot(wp + o * K, xp + i * K, K);
+  });
+  return y;
+}
+
 // x [M, K] fp32, codes int8 [N, K], d fp32 [N, K/32] -> y [M, N] fp32 with x quantized to int8.
 // Rows of x are taken one at a time (one pass over the codes each): the engine calls it for the
 // last row only (the head).
-torch::Tensor q8_0_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor d) {
+torch::Tensor q8_0_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
   check_inputs(x, codes, d, kBlock);
   TORCH_CHECK(codes.scalar_type() == torch::kInt8, "Q8_0 codes must be int8");
+  check_byte_mins(m, d);
 #if defined(KVMEMORY_VNNI)
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
   auto y = torch::empty({M, N}, x.options());
+  auto xs = m.numel() > 0 ? block_sums(x) : torch::Tensor();
   const int8_t* qp = codes.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
   for (int64_t i = 0; i < M; ++i) {
@@ -910,6 +988,7 @@ torch::Tensor q8_0_linear_i8(torch::Tensor x, torch::Tensor codes, torch::Tensor
     float* yp = y.data_ptr<float>() + i * N;
     at::parallel_for(0, N, kRowsPerTask * 4, [&](int64_t begin, int64_t end) {
       q8_rows_i8_single(a, K, qp, dp, yp, begin, end);
+      if (m.numel() > 0) add_min_terms(m.data_ptr<float>(), nb, xs.data_ptr<float>() + i * nb, yp, begin, end);
     });
   }
   return y;
@@ -940,8 +1019,9 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d,
   return y;
 }
 
-// x [M, K] fp32, codes int8 [N, K], d fp32 [N, K/32] (Q8_0, Q5_0) or [N, K/16] (Q6_K) -> y [M, N] fp32
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d) {
+// x [M, K] fp32, codes int8 [N, K], d fp32 [N, K/32] (Q8_0, Q5_0) or [N, K/16] (Q6_K), m fp32
+// [N, K/32] (Q5_K) or empty -> y [M, N] fp32
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m) {
   const bool halves = d.dim() == 2 && x.dim() == 2 && d.size(1) * kHalf == x.size(1);
   if (halves) {  // check_inputs on a [N, K/32] view of the shapes
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be a contiguous fp32 [M, K] tensor");
@@ -952,8 +1032,10 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d)
     check_inputs(x, codes, d, kBlock);
   }
   TORCH_CHECK(codes.scalar_type() == torch::kInt8, "Q8_0 codes must be int8");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  check_byte_mins(m, d);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / kBlock;
   auto y = torch::empty({M, N}, x.options());
+  auto xs = m.numel() > 0 ? block_sums(x) : torch::Tensor();
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = codes.data_ptr<int8_t>();
   const float* dp = d.data_ptr<float>();
@@ -967,6 +1049,8 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d)
     } else {
       q8_rows(xp, M, K, qp, dp, yp, N, begin, end);
     }
+    if (m.numel() > 0)
+      for (int64_t i = 0; i < M; ++i) add_min_terms(m.data_ptr<float>(), nb, xs.data_ptr<float>() + i * nb, yp + i * N, begin, end);
   });
   return y;
 }
@@ -979,15 +1063,29 @@ namespace {
 
 // One linear's weight in one of the kernels' two block forms: 4-bit codes with a scale and a min
 // per 32 weights (uint8 codes: Q4_1, Q4_K, Q4_0 read exactly) or signed-byte codes with a scale
-// per 32 or 16 weights (int8 codes, `mins` empty: Q8_0, Q5_0, Q6_K).
+// per 32 or 16 weights (int8 codes: Q8_0, Q5_0, Q6_K with `mins` empty; Q5_K with a min per 32),
+// or fp16 values without blocks (an F16 linear: `scales` and `mins` empty; fp32 activations only).
 struct BlockWeight {
   torch::Tensor codes, scales, mins;
   bool q4() const { return codes.scalar_type() == torch::kUInt8; }
-  bool halves() const { return !q4() && scales.size(1) * kHalf == codes.size(1); }
+  bool f16() const { return codes.scalar_type() == torch::kHalf; }
+  bool halves() const { return !q4() && !f16() && scales.size(1) * kHalf == codes.size(1); }
+  bool byte_mins() const { return !q4() && !f16() && mins.defined() && mins.numel() > 0; }
   int64_t out() const { return codes.size(0); }
+  // the byte form's min terms for output rows [b, e) of one activation row (block sums xs)
+  void add_mins(int64_t K, const float* xs, float* y, int64_t b, int64_t e) const {
+    if (byte_mins()) add_min_terms(mins.data_ptr<float>(), K / kBlock, xs, y, b, e);
+  }
   // one row x [K] -> y [out]; xs: x's 32-value block sums (the Q4 form's factored min term).
   // int8: x is quantized first (see q4_1_linear_i8) into the scratch of its form
   void apply(const float* x, int64_t K, float* y, const float* xs, bool int8, Q4Activation& q4s, Q8Activation& q8s) const {
+    if (f16()) {
+      const at::Half* wp = codes.data_ptr<at::Half>();
+      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) {
+        for (int64_t o = b; o < e; ++o) y[o] = f16_row_dot(wp + o * K, x, K);
+      });
+      return;
+    }
     const float* dp = scales.data_ptr<float>();
     if (q4()) {
       const uint8_t* qp = codes.data_ptr<uint8_t>();
@@ -1010,17 +1108,31 @@ struct BlockWeight {
 #if defined(KVMEMORY_VNNI)
     if (int8) {
       quantize_for_q8(x, K, q8s);
-      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) { q8_rows_i8_single(q8s, K, qp, dp, y, b, e); });
+      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) {
+        q8_rows_i8_single(q8s, K, qp, dp, y, b, e);
+        add_mins(K, xs, y, b, e);
+      });
       return;
     }
 #endif
-    at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) { q8_rows_single(x, K, qp, dp, y, b, e); });
+    at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) {
+      q8_rows_single(x, K, qp, dp, y, b, e);
+      add_mins(K, xs, y, b, e);
+    });
   }
   // R rows of different threads' decoded tokens: x row i at x + i * K (xs: its block sums at
   // xs + i * K / 32) -> y row i at y + i * ldy, each row bit for bit what apply() gives it alone
   // (same kernels' arithmetic, same split of the output rows over the threads), every block read
   // once per kEachRows rows. fp32 activations only.
   void apply_each(const float* x, int64_t R, int64_t K, float* y, int64_t ldy, const float* xs) const {
+    if (f16()) {
+      const at::Half* wp = codes.data_ptr<at::Half>();
+      at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) {
+        for (int64_t o = b; o < e; ++o)
+          for (int64_t i = 0; i < R; ++i) y[i * ldy + o] = f16_row_dot(wp + o * K, x + i * K, K);
+      });
+      return;
+    }
     const float* dp = scales.data_ptr<float>();
     at::parallel_for(0, out(), kRowsPerTask, [&](int64_t b, int64_t e) {
       for (int64_t i0 = 0; i0 < R; i0 += kEachRows) {
@@ -1035,6 +1147,7 @@ struct BlockWeight {
             q8_16_rows_each<C>(xi, K, codes.data_ptr<int8_t>(), dp, yi, ldy, b, e);
           } else {
             q8_rows_each<C>(xi, K, codes.data_ptr<int8_t>(), dp, yi, ldy, b, e);
+            for (int64_t i = 0; i < C; ++i) add_mins(K, xs + (i0 + i) * (K / kBlock), yi + i * ldy, b, e);
           }
         });
       }
@@ -1042,8 +1155,10 @@ struct BlockWeight {
   }
   // x [n, K] -> [n, out] (every row through one pass over the blocks)
   torch::Tensor apply_rows(const torch::Tensor& x, bool int8) const {
+    if (f16()) return f16_linear(x, codes);
     if (q4()) return int8 ? q4_1_linear_i8(x, codes, scales, mins) : q4_1_linear(x, codes, scales, mins);
-    return int8 && !halves() ? q8_0_linear_i8(x, codes, scales) : q8_0_linear(x, codes, scales);
+    const auto byte_min = byte_mins() ? mins : torch::empty({0}, scales.options());
+    return int8 && !halves() ? q8_0_linear_i8(x, codes, scales, byte_min) : q8_0_linear(x, codes, scales, byte_min);
   }
 };
 
@@ -1840,6 +1955,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0 blocks).T in fp32",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("q4_1_linear_i8", &q4_1_linear_i8, "x @ dequant(Q4_1 blocks).T with x quantized to int8 blocks (VNNI)",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("f16_linear", &f16_linear, "x @ W.T for fp16 weights W, in fp32",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("q8_0_linear_i8", &q8_0_linear_i8, "x @ dequant(Q8_0 blocks).T with x quantized to int8 blocks (VNNI)",
              pybind11::call_guard<pybind11::gil_scoped_release>());
