@@ -97,6 +97,8 @@ def test_bench_agent_runs_every_system_and_step(model_dir, data, tmp_path, monke
     assert all(kv[st]["fallback"] is None for st in STEPS)
     md = (tmp_path / "agent.md").read_text()
     assert "## Context 512" in md and "Time ratio to transformers bf16" in md and "kvmemory bench agent" in md
+    alone = report["meta"]["memory"]["kvmemory_process"]  # measured in a process of its own
+    assert 0 < alone["rss_bytes"] <= alone["peak_rss_bytes"] and "kvmemory alone in a fresh process" in md
     assert (tmp_path / "agent.png").stat().st_size > 0
 
 

@@ -246,6 +246,7 @@ def run(args, console) -> int:
     except ValueError as exc:
         console.print(str(exc), style="red", markup=False)
         return 2
+    resident = _kvmemory_resident(args.model, args.dtype, chats[0].steps["first"], settings["answer_tokens"], args.threads)
     systems, skipped = _systems(args, settings, pool, chats)
     for note in skipped:
         console.print(note, markup=False, soft_wrap=True)
@@ -253,6 +254,7 @@ def run(args, console) -> int:
     rows = [row for chat in chats for row in _bench_context(systems, chat, settings, console)]
     meta = _meta(args, settings, pool, systems, skipped, chats, data_dir)
     meta["loadavg_start"] = loadavg_start
+    meta["memory"]["kvmemory_process"] = resident
     write_outputs(args.out, meta, rows, console)
     return 0
 
@@ -367,6 +369,33 @@ def _memory(lm) -> dict:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def _kvmemory_resident(model, dtype: str, messages: list[dict], answer_tokens: int, threads: int) -> dict:
+    """kvmemory alone in a fresh process, as a user's program runs it: ``load_model`` (default
+    settings), one ``prepare`` of ``messages`` and an ``answer_tokens`` answer; its resident set then
+    and its peak (the load's transient fp32 weights included), in bytes (Linux /proc)."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(_resident_child, None if model is None else str(model), dtype, messages,
+                           answer_tokens, threads).result()
+
+
+def _resident_child(model, dtype: str, messages: list[dict], answer_tokens: int, threads: int) -> dict:
+    from kvmemory.models import load_model
+    from kvmemory.session import KVSession
+
+    torch.set_num_threads(threads)
+    lm = load_model(model, dtype)
+    session = KVSession(lm.model, lm.tokenizer)
+    session.prepare(messages)
+    session.generate(answer_tokens)
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    kib = {key: int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM") if key in status}
+    return {"rss_bytes": kib.get("VmRSS"), "peak_rss_bytes": kib.get("VmHWM"), "released_dense_bytes": lm.released_bytes}
+
+
 def _kernel_isa() -> str | None:
     """The instruction set kvmemory's block engine is built for here (None: no kernel)."""
     from kvmemory.engine import KernelUnavailableError, kernel_isa
@@ -411,6 +440,12 @@ def markdown(meta: dict, rows: list[Row]) -> str:
         lines += ["", f"Memory: kvmemory's model holds {memory['dense_weights_bytes'] / 2**30:.2f} GiB of dense weights "
                   f"and {memory['engine_blocks_bytes'] / 2**30:.2f} GiB of engine blocks; the process's peak resident set "
                   f"(every system of the run) {memory['peak_rss_bytes'] / 2**30:.2f} GiB."]
+        alone = memory.get("kvmemory_process") or {}
+        if alone.get("rss_bytes"):
+            lines += ["", f"kvmemory alone in a fresh process (`load_model` defaults, the first request, a "
+                      f"{meta['answer_tokens']}-token answer): resident {alone['rss_bytes'] / 2**30:.2f} GiB after the answer "
+                      f"({alone['released_dense_bytes'] / 2**30:.2f} GiB of dense weights released), peak "
+                      f"{alone['peak_rss_bytes'] / 2**30:.2f} GiB (the load's transient fp32 weights)."]
     if meta["skipped"]:
         lines += [""] + [f"- {note}" for note in meta["skipped"]]
     for context in sorted({r.context for r in rows}):
