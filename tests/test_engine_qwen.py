@@ -69,37 +69,24 @@ def test_each_type_reads_into_the_kernel_forms_bit_for_bit(kind):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_sixteen_value_byte_blocks_multiply_right_on_each_isa(isa):
-    """Q6_K's form (a scale per 16 weights): one row (decode, 70 output rows: the 4-row SIMD path
-    and its remainder) and several rows, against x @ dequantize(W).T."""
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_byte_blocks_beyond_q8_0_multiply_right_on_each_isa(kind, isa):
+    """Q6_K's form (a scale per 16 weights) and Q5_K's (a min per 32 beside the scale): one row
+    (decode, 70 output rows: the 4-row SIMD path and its remainder) and several rows, against
+    x @ dequantize(W).T. Q5_K: a dropped min term shows, and int8 activations where VNNI runs."""
     lib = kernel(_runnable(isa))
-    weight = read_q6_k(_random_raw("Q6_K", rows=70, width=512, seed=3))
-    assert weight.block == 16
+    weight = LAYOUTS[kind][2](_random_raw(kind, rows=70, width=512, seed=3))
+    assert (weight.block, weight.has_mins) == ((16, False) if kind == "Q6_K" else (32, True))
     g = torch.Generator().manual_seed(0)
     for m in (1, 5, 11):
         x = torch.randn(m, 512, generator=g)
         ref = (x.double() @ weight.dequantize().double().T).float()
         got = weight(x, lib=lib)
         torch.testing.assert_close(got, ref, atol=LINEAR_RTOL * ref.abs().max().item(), rtol=0)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-def test_byte_blocks_with_mins_multiply_right_on_each_isa(isa):
-    """Q5_K's form (byte codes with a min per 32 weights): one row, several rows, R threads' rows
-    at once (batched decoding's path) and int8 activations where VNNI runs, against
-    x @ dequantize(W).T; the one-row and several-row paths agree bit for bit row by row."""
-    lib = kernel(_runnable(isa))
-    weight = read_q5_k(_random_raw("Q5_K", rows=70, width=512, seed=4))
-    assert weight.has_mins and weight.block == 32
-    g = torch.Generator().manual_seed(0)
-    for m in (1, 5, 11):
-        x = torch.randn(m, 512, generator=g)
-        ref = (x.double() @ weight.dequantize().double().T).float()
-        got = weight(x, lib=lib)
-        torch.testing.assert_close(got, ref, atol=LINEAR_RTOL * ref.abs().max().item(), rtol=0)
-        without_mins = Q8Linear(weight.codes, weight.scales)(x, lib=lib)  # a lost min term shows
-        assert (without_mins - ref).abs().max() > 1e-2 * ref.abs().max()
-    if lib.has_vnni():
+        if weight.has_mins:
+            without_mins = Q8Linear(weight.codes, weight.scales)(x, lib=lib)
+            assert (without_mins - ref).abs().max() > 1e-2 * ref.abs().max()
+    if weight.has_mins and lib.has_vnni():
         got = weight(x[:1], int8=True, lib=lib)
         torch.testing.assert_close(got, ref[:1], atol=2e-2 * ref.abs().max().item(), rtol=0)
 
