@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 
 from kvmemory_lab.cli import main
+from kvmemory_lab.demo import FLOOR
 from kvmemory_lab.demo_cases import builtin_cases, default_data_dir, hotpot_cases
 
 METHODS = ("dirty", "shift", "sur@2", "sur@5", "sur@auto:kv_change:0.06", "replay", "reprefill")
@@ -17,7 +18,7 @@ def test_demo_writes_every_method(tmp_path, real, capsys):
     printed = capsys.readouterr().out
     assert all(name in printed for name in METHODS)
     data = json.loads(out.read_text())
-    assert set(data["methods"]) == set(METHODS)
+    assert set(data["methods"]) == {*METHODS, FLOOR}
     for name in METHODS:
         m = data["methods"][name]
         assert {"agreement", "agreement_ci", "tf_agreement", "tf_agreement_ci", "tf_kl", "common_prefix", "mean_kl",
@@ -33,6 +34,17 @@ def test_demo_writes_every_method(tmp_path, real, capsys):
     assert sur5["recomputed_tokens"] < replay["recomputed_tokens"] < ref["recomputed_tokens"]
     for m in data["methods"].values():  # the summary table prints every figure whole, not cut to fit
         assert f"{m['tf_kl']:.1e}" in printed and f"{m['mean_kl']:.2e}" in printed
+    # the precision floor: the bf16 model's Re-prefill of the same history, scored like a repair
+    floor = data["methods"][FLOOR]
+    assert data["floor"] == "bf16 Re-prefill" and floor["recomputed_tokens"] == ref["recomputed_tokens"]
+    assert 0 < floor["mean_kl"] < 0.1 and floor["tf_kl"] > 0  # other arithmetic, the same model
+
+
+def test_demo_without_the_floor(tmp_path, real):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--cases", "1", "--json", str(out), "--max-new-tokens", "4", "--no-floor"]) == 0
+    data = json.loads(out.read_text())
+    assert FLOOR not in data["methods"] and data["floor"] is None
 
 
 def test_demo_rejects_bad_budget(capsys):

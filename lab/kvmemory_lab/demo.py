@@ -7,6 +7,10 @@ Re-prefill (greedy-answer agreement, first-token KL, and answer-level: teacher-f
 agreement and mean KL over Re-prefill's answer tokens, common prefix of the greedy answers) and
 post-edit latency is the time from the edited message list to the first-token distribution
 (repair + query prefill), in ms. Aggregates carry source-paired bootstrap intervals.
+
+Beside the repairs, the model's own precision floor: the same edited history Re-prefilled by the
+model in bf16 (``FLOOR``), scored against the fp32 Re-prefill like every method. A repair that
+agrees as often as it does is as faithful as the model's arithmetic allows.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from .demo_cases import DemoCase
 from .evaluation.answer_fidelity import answer_fidelity, teacher_forced_logits
 from .evaluation.stats import paired_bootstrap
 from .metrics import answers_agree, contains_gold, exact_match, first_token_kl
+
+
+FLOOR = "reprefill bf16 (floor)"
 
 
 def demo_policies(budgets: list[float], tolerances: list[float] = ()) -> dict[str, RepairPolicy]:
@@ -69,8 +76,11 @@ class CaseResult:
     methods: list[MethodResult] = field(default_factory=list)
 
 
-def run_case(session: KVSession, case: DemoCase, policies: dict[str, RepairPolicy], max_new_tokens: int = 32) -> CaseResult:
-    """Run every method on one case from the same pre-edit cache; Re-prefill first (reference)."""
+def run_case(session: KVSession, case: DemoCase, policies: dict[str, RepairPolicy], max_new_tokens: int = 32,
+             floor: KVSession | None = None) -> CaseResult:
+    """Run every method on one case from the same pre-edit cache; Re-prefill first (reference).
+    ``floor``: a session on the same model in bf16, whose Re-prefill of the edited history is
+    scored as the last method (:data:`FLOOR`)."""
     session.reset()
     session.prepare(case.messages(with_deleted=True, with_query=False))
     deleted = sum(s.length for s in session.rendered.segments if s.key in case.deleted_ids)
@@ -83,9 +93,15 @@ def run_case(session: KVSession, case: DemoCase, policies: dict[str, RepairPolic
         gen = fork.generate(max_new_tokens=max_new_tokens)
         runs[name] = (report, gen)
         rows[name] = teacher_forced_logits(probe, runs["reprefill"][1].token_ids)
+    if floor is not None:
+        floor.reset()
+        report = floor.prepare(edited, policy=policies["reprefill"])
+        probe = floor.fork()
+        runs[FLOOR] = (report, floor.generate(max_new_tokens=max_new_tokens))
+        rows[FLOOR] = teacher_forced_logits(probe, runs["reprefill"][1].token_ids).float()
     ref_report, ref_gen = runs["reprefill"]
     result = CaseResult(case.case_id, case.question, case.answer, ref_report.prompt_tokens, deleted)
-    for name in policies:
+    for name in [*policies, *([FLOOR] if floor is not None else [])]:
         report, gen = runs[name]
         fidelity = answer_fidelity(rows["reprefill"], rows[name], ref_gen.token_ids, gen.token_ids)
         result.methods.append(
@@ -93,7 +109,7 @@ def run_case(session: KVSession, case: DemoCase, policies: dict[str, RepairPolic
                 method=name,
                 answer=gen.text.strip(),
                 agrees=answers_agree(gen.text, ref_gen.text),
-                kl=first_token_kl(ref_gen.first_logits, gen.first_logits),
+                kl=first_token_kl(ref_gen.first_logits, gen.first_logits.float()),
                 exact_match=exact_match(gen.text, case.answer),
                 contains_gold=contains_gold(gen.text, case.answer),
                 recomputed_tokens=report.recomputed_tokens,
