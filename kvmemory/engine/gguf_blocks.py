@@ -158,7 +158,7 @@ def read_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | F16Linear | 
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    out: dict[str, Q4Linear | Q8Linear | torch.Tensor] = {}
+    out: dict[str, Q4Linear | Q8Linear | F16Linear | torch.Tensor] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind == "F16" and len(t.data.shape) == 1:
@@ -170,7 +170,7 @@ def read_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | F16Linear | 
     return out
 
 
-def load_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | torch.Tensor]:
+def load_gguf_blocks(path: Path) -> dict[str, Q4Linear | Q8Linear | F16Linear | torch.Tensor]:
     """:func:`read_gguf_blocks`, through a safetensors copy in kvmemory's cache folder (parsing
     and unpacking a GGUF takes 10 s and more; the copy loads in about a second). The copy is
     keyed by the file's name, size and modification time and written atomically."""
