@@ -61,6 +61,11 @@ class _Layer:
     def linears(self) -> list[FusedBlocks]:
         return [self.qkv, self.o, self.gate_up, self.down]
 
+    def modules(self) -> list[list[torch.nn.Linear]]:
+        """The transformers linears each of :meth:`linears` fuses, in its row order."""
+        attn, mlp = self.module.self_attn, self.module.mlp
+        return [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+
 
 class QuantizedLlama(BufferedEngine):
     """A Llama / Qwen2 decoder on GGUF blocks (see the module docstring), an
@@ -100,9 +105,7 @@ class QuantizedLlama(BufferedEngine):
         if self.dense is None:
             found = {}
             for layer in self.layers:
-                attn, mlp = layer.module.self_attn, layer.module.mlp
-                for fused, modules in ((layer.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]), (layer.o, [attn.o_proj]),
-                                       (layer.gate_up, [mlp.gate_proj, mlp.up_proj]), (layer.down, [mlp.down_proj])):
+                for fused, modules in zip(layer.linears(), layer.modules()):
                     found.update(sources(fused, modules))
             head, embedding = self.model.lm_head, self.model.get_input_embeddings()
             if head.weight.data_ptr() != embedding.weight.data_ptr():  # a tied head is the embedding table, which stays
@@ -165,7 +168,7 @@ class QuantizedLlama(BufferedEngine):
         def bound(blocks):
             return lambda x: blocks(x, int8=self.int8, lib=self.lib)
 
-        layers = [(bound(l.qkv), bound(l.o), bound(l.gate_up), bound(l.down)) for l in self.layers]
+        layers = [tuple(bound(f) for f in l.linears()) for l in self.layers]
         return BlockLinears(layers, bound(self.head))
 
     def _dense_linears(self) -> BlockLinears:
@@ -177,11 +180,7 @@ class QuantizedLlama(BufferedEngine):
                 return lambda x: F.linear(x, self._weight(modules[0]), modules[0].bias)
             return lambda x: torch.cat([F.linear(x, self._weight(m), m.bias) for m in modules], dim=-1)
 
-        layers = []
-        for layer in self.layers:
-            attn, mlp = layer.module.self_attn, layer.module.mlp
-            layers.append((linear(attn.q_proj, attn.k_proj, attn.v_proj), linear(attn.o_proj),
-                           linear(mlp.gate_proj, mlp.up_proj), linear(mlp.down_proj)))
+        layers = [tuple(linear(*modules) for modules in layer.modules()) for layer in self.layers]
         return BlockLinears(layers, lambda x: self.head(x, int8=self.int8, lib=self.lib))  # a few rows: the blocks
 
     @torch.no_grad()
