@@ -76,6 +76,31 @@ def test_concurrent_calls_divide_the_free_cores(two_threads):
         assert n == 2
 
 
+def test_a_call_entering_beside_others_keeps_the_users_ceiling(two_threads):
+    """torch keeps one thread count per process: a call entering while another runs with its
+    share reads that share, not the user's setting. The ceiling stays the one taken when the
+    first call entered, so a batch leader computing while the others wait gets every core."""
+    share = _share(0.0, cpus=2)
+    waiting, release, seen = threading.Event(), threading.Event(), []
+
+    def waiter():
+        with share.share():
+            with share.waiting():  # waits for a batch another call computes
+                waiting.set()
+                release.wait(5)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert waiting.wait(5)
+    torch.set_num_threads(1)  # what a concurrent call's share left behind
+    with share.share() as n:
+        seen.append(n)
+        seen.append(share.rebalance())
+    release.set()
+    t.join()
+    assert seen == [2, 2] and torch.get_num_threads() == 2
+
+
 def test_a_nested_use_keeps_the_outer_count(two_threads):
     share = _share(1.0)
     with share.share() as outer:

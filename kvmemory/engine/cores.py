@@ -10,8 +10,9 @@ machine). Two calls of one process running at once (LangGraph threads, branches)
 the cores the same way.
 
 So each call runs with ``min(ceiling, free cores // concurrent calls)`` threads, at least one:
-``ceiling`` is the caller's ``torch.get_num_threads()`` (the user's setting stays the upper
-bound); free cores are the CPUs this process may run on minus what other processes kept busy
+``ceiling`` is ``torch.get_num_threads()`` when the first of the concurrent calls entered (the
+user's setting stays the upper bound; torch keeps one count per process, so the count is re-set
+as calls enter and leave); free cores are the CPUs this process may run on minus what other processes kept busy
 over the last sample (Linux: ``/proc/stat`` minus this process's ``/proc/self/stat``, sampled at
 most every 0.25 s while calls run). Without ``/proc`` only the division among concurrent calls
 applies. ``KVMEMORY_SHARE_CORES=0`` turns it off (every call uses the ceiling).
@@ -66,6 +67,8 @@ class CoreShare:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._active = 0  # calls running now
+        self._inside = 0  # calls inside share(), waiting ones included
+        self._ceiling = 1  # the callers' thread count, taken when no call is inside
         self._busy_elsewhere = 0.0  # cores other processes kept busy over the last sample
         self._sample = (time.monotonic(), sampler())
 
@@ -79,26 +82,37 @@ class CoreShare:
     @contextmanager
     def share(self) -> Iterator[int]:
         """Run the block with this call's share of threads (yields the count). Nested uses in
-        one thread keep the outer count; the caller's thread count is restored on exit."""
+        one thread keep the outer count; the caller's thread count is restored on exit.
+
+        torch's thread count is one per process, not per thread: the ceiling is taken when no
+        other call is inside (a call entering beside one that runs with 1 would read 1: measured,
+        batched decode steps then ran on one core of two), and a call leaving sets the count
+        for the calls still inside."""
         if not self.enabled or getattr(self._local, "inside", False):
             yield torch.get_num_threads()
             return
-        ceiling = torch.get_num_threads()
+        mine = torch.get_num_threads()
         with self._lock:
             self._refresh()
+            if self._inside == 0:
+                self._ceiling = mine
+            ceiling = self._ceiling
+            self._inside += 1
             self._active += 1
             n = self._threads(ceiling, self._active)
         self._local.inside, self._local.ceiling = True, ceiling
-        if n != ceiling:
+        if n != torch.get_num_threads():
             torch.set_num_threads(n)
         try:
             yield n
         finally:
-            if torch.get_num_threads() != ceiling:  # also after a rebalance
-                torch.set_num_threads(ceiling)
             self._local.inside = False
             with self._lock:
                 self._active -= 1
+                self._inside -= 1
+                left = ceiling if self._inside == 0 else self._threads(ceiling, self._active)
+            if torch.get_num_threads() != left:
+                torch.set_num_threads(left)
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
