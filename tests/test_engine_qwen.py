@@ -105,12 +105,13 @@ def test_f16_weights_multiply_right_on_each_isa(isa):
     assert torch.equal(weight(x[3:4], lib=lib), got[3:4])
 
 
-def _mixed_qwen2() -> QuantizedLlama:
-    """A 2-layer random Qwen2 (q/k/v biases, head_dim 64, 8 query heads per KV head: the per-head
-    attention path the 0.5B's 7 take; widths multiples of 256 for the K types) whose linears are random blocks of several types, one form per linear as a Q4_K_M file mixes
-    them, and whose fp32 weights are their dequantized values."""
-    model = tiny_model("qwen2", hidden_size=512, intermediate_size=768, num_attention_heads=8,
-                       num_key_value_heads=1, head_dim=64, vocab_size=1024, tie_word_embeddings=False)
+def _mixed_qwen2(heads: int = 8, head_dim: int = 64) -> QuantizedLlama:
+    """A 2-layer random Qwen2 (q/k/v biases, one KV head for ``heads`` query heads: more than one
+    attention pass takes, as the 0.5B's 7 at head_dim 64 and the 1.5B's 6 at 128; widths
+    multiples of 256 for the K types) whose linears are random blocks of several types, one form
+    per linear as a Q4_K_M file mixes them, and whose fp32 weights are their dequantized values."""
+    model = tiny_model("qwen2", hidden_size=512, intermediate_size=768, num_attention_heads=heads,
+                       num_key_value_heads=1, head_dim=head_dim, vocab_size=1024, tie_word_embeddings=False)
     seed = iter(range(100))
 
     def blocks(linear, kind):
@@ -132,12 +133,13 @@ def _mixed_qwen2() -> QuantizedLlama:
     return QuantizedLlama(model, layers, blocks(model.lm_head, "Q6_K"))
 
 
+@pytest.mark.parametrize("heads, head_dim", [(8, 64), (6, 128)])
 @pytest.mark.parametrize("isa", ISAS)
-def test_a_decoder_mixing_block_forms_with_biases_equals_transformers(isa, monkeypatch):
+def test_a_decoder_mixing_block_forms_with_biases_equals_transformers(isa, heads, head_dim, monkeypatch):
     """Prefill (dense path), a short append and a draft (one decoder call), decoded tokens and a
     packed refresh of scattered rows: logits equal transformers' forward on the same weights."""
     monkeypatch.setenv("KVMEMORY_ISA", _runnable(isa))
-    fast = _mixed_qwen2()
+    fast = _mixed_qwen2(heads, head_dim)
     assert fast.isa == isa and len(fast.layers[0].qkv.parts) == 2  # q, k fused; v in another form
     ids = torch.randint(0, 1024, (140,), generator=torch.Generator().manual_seed(1))
     cache, ref = assert_engine_matches_forward(fast, ids, prefill=120, draft=7, rtol=RANDOM_RTOL)

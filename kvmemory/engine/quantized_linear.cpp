@@ -1415,45 +1415,45 @@ inline __m512 dots16(const __m512 q[4], const float* k) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
 }
 
-// The G query heads of one key/value group against n key rows (D = 64): each key row is loaded
-// once for all G heads. qs: the G heads' scaled queries, [G, 64]. S[h * n + r] = q_h . k_r.
-template <int G>
+// The G query heads of one key/value group against n key rows (D = 64 or 128): each key row is
+// loaded once for all G heads. qs: the G heads' scaled queries, [G, D]. S[h * n + r] = q_h . k_r.
+template <int G, int D>
 void group_scores(const float* qs, const float* k, int64_t n, float* S) {
-  __m512 q[G][4];
+  constexpr int V = D / 16;
+  __m512 q[G][V];
   for (int h = 0; h < G; ++h)
-    for (int j = 0; j < 4; ++j) q[h][j] = _mm512_loadu_ps(qs + h * 64 + j * 16);
+    for (int j = 0; j < V; ++j) q[h][j] = _mm512_loadu_ps(qs + h * D + j * 16);
   for (int64_t r = 0; r < n; ++r) {
-    const float* kr = k + r * 64;
-    const __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
-                 k3 = _mm512_loadu_ps(kr + 48);
+    const float* kr = k + r * D;
+    __m512 kv[V];
+    for (int j = 0; j < V; ++j) kv[j] = _mm512_loadu_ps(kr + j * 16);
     for (int h = 0; h < G; ++h) {
-      const __m512 s = _mm512_fmadd_ps(q[h][1], k1, _mm512_mul_ps(q[h][0], k0));
-      S[h * n + r] = hsum(_mm512_fmadd_ps(q[h][3], k3, _mm512_fmadd_ps(q[h][2], k2, s)));
+      __m512 s = _mm512_mul_ps(q[h][0], kv[0]);
+      for (int j = 1; j < V; ++j) s = _mm512_fmadd_ps(q[h][j], kv[j], s);
+      S[h * n + r] = hsum(s);
     }
   }
 }
 
-// out[h][64] = sum_r P[h * n + r] * v[r] for the G heads of one group: each value row is loaded
+// out[h][D] = sum_r P[h * n + r] * v[r] for the G heads of one group: each value row is loaded
 // once for all G heads (weighted_rows per head would read it G times).
-template <int G>
+template <int G, int D>
 void group_weighted_rows(const float* P, const float* v, int64_t n, float* out) {
-  __m512 acc[G][4];
+  constexpr int V = D / 16;
+  __m512 acc[G][V];
   for (int h = 0; h < G; ++h)
-    for (int j = 0; j < 4; ++j) acc[h][j] = _mm512_setzero_ps();
+    for (int j = 0; j < V; ++j) acc[h][j] = _mm512_setzero_ps();
   for (int64_t r = 0; r < n; ++r) {
-    const float* vr = v + r * 64;
-    const __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
-                 v3 = _mm512_loadu_ps(vr + 48);
+    const float* vr = v + r * D;
+    __m512 vv[V];
+    for (int j = 0; j < V; ++j) vv[j] = _mm512_loadu_ps(vr + j * 16);
     for (int h = 0; h < G; ++h) {
       const __m512 p = _mm512_set1_ps(P[h * n + r]);
-      acc[h][0] = _mm512_fmadd_ps(p, v0, acc[h][0]);
-      acc[h][1] = _mm512_fmadd_ps(p, v1, acc[h][1]);
-      acc[h][2] = _mm512_fmadd_ps(p, v2, acc[h][2]);
-      acc[h][3] = _mm512_fmadd_ps(p, v3, acc[h][3]);
+      for (int j = 0; j < V; ++j) acc[h][j] = _mm512_fmadd_ps(p, vv[j], acc[h][j]);
     }
   }
   for (int h = 0; h < G; ++h)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + h * 64 + j * 16, acc[h][j]);
+    for (int j = 0; j < V; ++j) _mm512_storeu_ps(out + h * D + j * 16, acc[h][j]);
 }
 #elif defined(KVMEMORY_AVX2)
 // The 8 dot products q . k[j] (q: 64 floats; k[j] 64 floats apart) as one vector: 8 independent
@@ -1491,57 +1491,57 @@ inline void store_sums(const __m256 (&a)[R], float* out) {
   }
 }
 
-// group_scores for AVX2 (qs: the G heads' scaled queries, [G, 64]; S[h * n + r] = q_h . k_r):
+// group_scores for AVX2 (qs: the G heads' scaled queries, [G, D]; S[h * n + r] = q_h . k_r):
 // R key rows at a time for all G heads. Per 8 columns the G query vectors and each row's key
 // vector are loaded once (G + R loads for G * R FMAs) into G * R accumulators, which with the G
 // query vectors fill the 16 registers at most.
-template <int G>
+template <int G, int D>
 void group_scores(const float* qs, const float* k, int64_t n, float* S) {
   constexpr int R = G == 1 ? 8 : (G <= 3 ? 4 : 2);
   int64_t r = 0;
   for (; r + R <= n; r += R) {
-    const float* kr = k + r * 64;
+    const float* kr = k + r * D;
     __m256 acc[G][R];
     for (int h = 0; h < G; ++h)
       for (int j = 0; j < R; ++j) acc[h][j] = _mm256_setzero_ps();
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < D / 8; ++c) {
       __m256 qc[G];
-      for (int h = 0; h < G; ++h) qc[h] = _mm256_loadu_ps(qs + h * 64 + c * 8);
+      for (int h = 0; h < G; ++h) qc[h] = _mm256_loadu_ps(qs + h * D + c * 8);
       for (int j = 0; j < R; ++j) {
-        const __m256 kj = _mm256_loadu_ps(kr + j * 64 + c * 8);
+        const __m256 kj = _mm256_loadu_ps(kr + j * D + c * 8);
         for (int h = 0; h < G; ++h) acc[h][j] = _mm256_fmadd_ps(qc[h], kj, acc[h][j]);
       }
     }
     for (int h = 0; h < G; ++h) store_sums<R>(acc[h], S + h * n + r);
   }
   for (; r < n; ++r)
-    for (int h = 0; h < G; ++h) S[h * n + r] = dot(qs + h * 64, k + r * 64, 64);
+    for (int h = 0; h < G; ++h) S[h * n + r] = dot(qs + h * D, k + r * D, D);
 }
 
-// group_weighted_rows for AVX2: G heads * 64 outputs need up to 32 accumulators, twice the 16
+// group_weighted_rows for AVX2: G heads * D outputs need up to 64 accumulators, more than the 16
 // registers, so the columns are done W vectors (8W floats) at a time, 12 accumulators at most,
-// over blocks of 64 value rows (16 KB, still in L1 for the next columns). Each output still sums
-// its rows in order.
-template <int G>
+// over blocks of 64 value rows (16-32 KB, still in L1 for the next columns). Each output still
+// sums its rows in order.
+template <int G, int D>
 void group_weighted_rows(const float* P, const float* v, int64_t n, float* out) {
   constexpr int W = G * 8 <= 12 ? 8 : (G * 4 <= 12 ? 4 : 2);
   constexpr int64_t kRowBlock = 64;
-  std::fill(out, out + G * 64, 0.f);
+  std::fill(out, out + G * D, 0.f);
   for (int64_t r0 = 0; r0 < n; r0 += kRowBlock) {
     const int64_t r1 = std::min(n, r0 + kRowBlock);
-    for (int j0 = 0; j0 < 8; j0 += W) {
+    for (int j0 = 0; j0 < D / 8; j0 += W) {
       __m256 acc[G][W];
       for (int h = 0; h < G; ++h)
-        for (int j = 0; j < W; ++j) acc[h][j] = _mm256_loadu_ps(out + h * 64 + (j0 + j) * 8);
+        for (int j = 0; j < W; ++j) acc[h][j] = _mm256_loadu_ps(out + h * D + (j0 + j) * 8);
       for (int64_t r = r0; r < r1; ++r) {
-        const float* vr = v + r * 64 + j0 * 8;
+        const float* vr = v + r * D + j0 * 8;
         for (int h = 0; h < G; ++h) {
           const __m256 p = _mm256_set1_ps(P[h * n + r]);
           for (int j = 0; j < W; ++j) acc[h][j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + j * 8), acc[h][j]);
         }
       }
       for (int h = 0; h < G; ++h)
-        for (int j = 0; j < W; ++j) _mm256_storeu_ps(out + h * 64 + (j0 + j) * 8, acc[h][j]);
+        for (int j = 0; j < W; ++j) _mm256_storeu_ps(out + h * D + (j0 + j) * 8, acc[h][j]);
     }
   }
 }
@@ -1576,7 +1576,10 @@ void rotate(float* v, const float* cos, const float* sin, int64_t dim) {
   }
 }
 
-// query heads per key/value group that LlamaDecoder::attend_rows_by_group handles (more: per head)
+// query heads that LlamaDecoder::attend_rows_by_group takes in one pass over a group's key and
+// value rows at head_dim 64 (half as many at 128): their queries and accumulators fill the
+// registers. A larger group (Qwen2.5: 6-7 heads per key/value head) is done in passes of at most
+// this many heads, each over rows still in cache.
 constexpr int kMaxGroup = 4;
 
 }  // namespace
@@ -1793,7 +1796,7 @@ class LlamaDecoder {
   void attend_rows(const float* q, int64_t q_stride, const float* keys, const float* values, int64_t capacity,
                    const int64_t* pos, int64_t n, float* out) {
 #if defined(KVMEMORY_SIMD)
-    if (head_dim_ == 64 && heads_ / kv_heads_ <= kMaxGroup) {
+    if (head_dim_ == 64 || head_dim_ == 128) {
       attend_rows_by_group(q, q_stride, keys, values, capacity, pos, n, out);
       return;
     }
@@ -1886,45 +1889,63 @@ class LlamaDecoder {
   }
 
 #if defined(KVMEMORY_SIMD)
-  // attend_rows at head_dim 64: per query row, one pass over its visible key and value rows for
-  // all heads of a group (group_scores / group_weighted_rows). Interleaved A/B at 2 K and 8 K
-  // cached rows, SmolLM2, 2 threads, whole 30-layer calls: faster than one pass per head (3 rows
-  // 15 vs 20 ms at 2 K; 43 rows 334 vs 413 ms at 8 K) and than the query heads in vector lanes
-  // with one pass for all rows (5-32 rows 2-14 % faster, packed refreshes of 14 and 32 rows too):
-  // the passes are bound by multiply-adds, not by reading the rows.
+  // attend_rows at head_dim 64 or 128: per query row, one pass over its visible key and value
+  // rows for up to kMaxGroup heads of a group (group_scores / group_weighted_rows). Interleaved
+  // A/B at 2 K and 8 K cached rows, SmolLM2, 2 threads, whole 30-layer calls: faster than one pass
+  // per head (3 rows 15 vs 20 ms at 2 K; 43 rows 334 vs 413 ms at 8 K) and than the query heads in
+  // vector lanes with one pass for all rows (5-32 rows 2-14 % faster, packed refreshes of 14 and
+  // 32 rows too): the passes are bound by multiply-adds, not by reading the rows.
   void attend_rows_by_group(const float* q, int64_t q_stride, const float* keys, const float* values,
                             int64_t capacity, const int64_t* pos, int64_t n, float* out) {
-    const int64_t D = 64, group = heads_ / kv_heads_, H = heads_, rows = pos[n - 1] + 1;
+    const int64_t H = heads_, rows = pos[n - 1] + 1;
     const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows / 256));
-    std::vector<float> part_out(chunks * n * H * D, 0.f), part_top(chunks * n * H, -INFINITY),
+    std::vector<float> part_out(chunks * n * H * head_dim_, 0.f), part_top(chunks * n * H, -INFINITY),
         part_total(chunks * n * H, 0.f);
+    const int64_t group = heads_ / kv_heads_, pass = head_dim_ == 64 ? kMaxGroup : kMaxGroup / 2;
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
-      with_count<kMaxGroup>(group, [&](auto count) {
-        constexpr int G = decltype(count)::value;
-        for (int64_t c = begin; c < end; ++c) {
-          const int64_t r0 = rows * c / chunks, width = rows * (c + 1) / chunks - r0;
-          scores.resize(G * width);
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t seen = std::min(width, pos[i] + 1 - r0);
-            if (seen <= 0) continue;  // this chunk lies past the row's causal end
-            for (int64_t g = 0; g < kv_heads_; ++g) {
-              float qg[G * 64];  // the group's G query heads, scaled
-              const float* qi = q + i * q_stride + g * G * D;
-              for (int64_t j = 0; j < G * D; ++j) qg[j] = qi[j] * float(scale_);
-              group_scores<G>(qg, keys + (g * capacity + r0) * D, seen, scores.data());
-              const int64_t slot = (c * n + i) * H + g * G;
-              for (int h = 0; h < G; ++h) {
-                part_top[slot + h] = max_of(scores.data() + h * seen, seen);
-                part_total[slot + h] = exp_shifted_sum(scores.data() + h * seen, seen, part_top[slot + h]);
-              }
-              group_weighted_rows<G>(scores.data(), values + (g * capacity + r0) * D, seen, part_out.data() + slot * D);
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t r0 = rows * c / chunks, width = rows * (c + 1) / chunks - r0;
+        scores.resize(kMaxGroup * width);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t seen = std::min(width, pos[i] + 1 - r0);
+          if (seen <= 0) continue;  // this chunk lies past the row's causal end
+          for (int64_t g = 0; g < kv_heads_; ++g) {
+            for (int64_t h0 = 0; h0 < group; h0 += pass) {
+              const int64_t head = g * group + h0, slot = (c * n + i) * H + head;
+              const float* kg = keys + (g * capacity + r0) * head_dim_;
+              const float* vg = values + (g * capacity + r0) * head_dim_;
+              with_count<kMaxGroup>(std::min(pass, group - h0), [&](auto count) {
+                constexpr int G = decltype(count)::value;
+                if (head_dim_ == 64) {
+                  attend_heads<G, 64>(q + i * q_stride + head * 64, kg, vg, seen, scores.data(), part_top.data() + slot,
+                                      part_total.data() + slot, part_out.data() + slot * 64);
+                } else {
+                  attend_heads<G, 128>(q + i * q_stride + head * 128, kg, vg, seen, scores.data(), part_top.data() + slot,
+                                       part_total.data() + slot, part_out.data() + slot * 128);
+                }
+              });
             }
           }
         }
-      });
+      }
     });
     combine_chunks(part_out.data(), part_top.data(), part_total.data(), chunks, n * H, out);
+  }
+
+  // G consecutive query heads (q: [G, D]) of one group over `seen` key / value rows: each head's
+  // maximum score, sum of exponentials and unnormalized output (scores: G * seen scratch).
+  template <int G, int D>
+  void attend_heads(const float* q, const float* k, const float* v, int64_t seen, float* scores, float* top,
+                    float* total, float* out) const {
+    float qg[G * D];  // the heads' queries, scaled
+    for (int64_t j = 0; j < G * D; ++j) qg[j] = q[j] * float(scale_);
+    group_scores<G, D>(qg, k, seen, scores);
+    for (int h = 0; h < G; ++h) {
+      top[h] = max_of(scores + h * seen, seen);
+      total[h] = exp_shifted_sum(scores + h * seen, seen, top[h]);
+    }
+    group_weighted_rows<G, D>(scores, v, seen, out);
   }
 
 #endif
