@@ -90,17 +90,6 @@ torch::Tensor block_sums(const torch::Tensor& x) {
   return out;
 }
 
-// Byte codes with a min per 32 weights (Q5_K: w = d * q + m): the min's share of output rows
-// [begin, end) of y (row stride 1) for one activation row with block sums xs [nb], added in one
-// fixed order on every path (one row, several rows, batched), so all of them agree bit for bit.
-inline void add_min_terms(const float* m, int64_t nb, const float* xs, float* y, int64_t begin, int64_t end) {
-  for (int64_t o = begin; o < end; ++o) {
-    float total = 0.f;
-    for (int64_t b = 0; b < nb; ++b) total += m[o * nb + b] * xs[b];
-    y[o] += total;
-  }
-}
-
 // One output row of a Q4_1 weight (codes q, scales d and mins m of its nb blocks) times one
 // activation row x [nb * 32] with per-block sums xs [nb], in the factored form
 // sum_b d_b * (codes_b . x_b) + m_b * sum(x_b): the portable path of the linears below.
@@ -138,6 +127,32 @@ inline __m256 q8_codes8(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
 #endif
+
+// sum_b m[b] * xs[b] over one weight row's nb blocks: the factored min term of a row (a block's
+// min times its activation sum). Vector lanes over the blocks: a batched step adds this per
+// activation row (Qwen 1.5B, 2 K, 2 threads: a 4-row step 134 ms against 155-185 with a scalar loop).
+inline float min_term(const float* m, const float* xs, int64_t nb) {
+  int64_t b = 0;
+  float total = 0.f;
+#if defined(KVMEMORY_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (; b + 16 <= nb; b += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(xs + b), acc);
+  total = hsum(acc);
+#elif defined(KVMEMORY_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; b + 8 <= nb; b += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(xs + b), acc);
+  total = hsum(acc);
+#endif
+  for (; b < nb; ++b) total += m[b] * xs[b];
+  return total;
+}
+
+// Byte codes with a min per 32 weights (Q5_K: w = d * q + m): the min's share of output rows
+// [begin, end) of y (row stride 1) for one activation row with block sums xs [nb], added in one
+// fixed order on every path (one row, several rows, batched), so all of them agree bit for bit.
+inline void add_min_terms(const float* m, int64_t nb, const float* xs, float* y, int64_t begin, int64_t end) {
+  for (int64_t o = begin; o < end; ++o) y[o] += min_term(m + o * nb, xs, nb);
+}
 
 // The decode kernel, for R activation rows at once: one row is a thread's decoded token (R = 1),
 // several are different threads' tokens decoded together (batched decoding). Four output rows at
@@ -184,9 +199,7 @@ void q4_rows_each(const float* x, int64_t K, const uint8_t* codes, const float* 
     for (int r = 0; r < 4; ++r) {
       const float* mr = m + (o + r) * nb;
       for (int i = 0; i < R; ++i) {
-        float mins = 0.f;
-        for (int64_t b = 0; b < nb; ++b) mins += mr[b] * xs[i * nb + b];
-        y[i * ldy + o + r] = hsum(acc[r][i]) + mins;
+        y[i * ldy + o + r] = hsum(acc[r][i]) + min_term(mr, xs + i * nb, nb);
       }
     }
   }
@@ -219,9 +232,7 @@ void q4_rows_each(const float* x, int64_t K, const uint8_t* codes, const float* 
     for (int r = 0; r < 4; ++r) {
       const float* mr = m + (o + r) * nb;
       for (int i = 0; i < R; ++i) {
-        float mins = 0.f;
-        for (int64_t b = 0; b < nb; ++b) mins += mr[b] * xs[i * nb + b];
-        y[i * ldy + o + r] = hsum(acc[r][i]) + mins;
+        y[i * ldy + o + r] = hsum(acc[r][i]) + min_term(mr, xs + i * nb, nb);
       }
     }
   }
