@@ -12,8 +12,8 @@ the cores the same way.
 So each call runs with ``min(ceiling, free cores // concurrent calls)`` threads, at least one:
 ``ceiling`` is ``torch.get_num_threads()`` when the first of the concurrent calls entered (the
 user's setting stays the upper bound; torch keeps one count per process, so the count is re-set
-as calls enter and leave); free cores are the CPUs this process may run on minus what other processes kept busy
-over the last sample (Linux: ``/proc/stat`` minus this process's ``/proc/self/stat``, sampled at
+as calls enter and leave); free cores are the CPUs this process may run on minus what other
+processes kept busy over the last sample (Linux: ``/proc/stat`` minus this process's ``/proc/self/stat``, sampled at
 most every 0.25 s while calls run). Without ``/proc`` only the division among concurrent calls
 applies. ``KVMEMORY_SHARE_CORES=0`` turns it off (every call uses the ceiling).
 """
@@ -100,7 +100,7 @@ class CoreShare:
             self._inside += 1
             self._active += 1
             n = self._threads(ceiling, self._active)
-        self._local.inside, self._local.ceiling = True, ceiling
+        self._local.inside = True
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
         try:
@@ -136,7 +136,7 @@ class CoreShare:
             return torch.get_num_threads()
         with self._lock:
             self._refresh()
-            n = self._threads(self._local.ceiling, self._active)
+            n = self._threads(self._ceiling, self._active)
         if n != torch.get_num_threads():
             torch.set_num_threads(n)
         return n
