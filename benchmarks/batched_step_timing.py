@@ -1,9 +1,9 @@
 """Time one batched decode step against the one-row step, on real agent-chat caches.
 
 B threads' caches (each its own ~2 K agent chat of HotpotQA tool results, prefilled once) are
-forked, and per step either the one-row ``forward_rows`` (B = 1) or ``QuantizedLlama.decode_batch``
-(B > 1) computes one new row per cache. Medians of the steps after the first two, per B and
-trial. This is the kernel alone: `kvmemory bench concurrent` measures the same through
+forked, and per step either ``forward_rows`` (B = 1) or ``QuantizedLlama.decode_batch`` (B > 1)
+computes ``--tokens`` new rows per cache (1: a decode step; 3: a token with a 2-token draft).
+Medians of the steps after the first two, per B and trial. This is the kernel alone: `kvmemory bench concurrent` measures the same through
 ``KVSession`` threads and the :class:`~kvmemory.engine.batching.DecodeBatcher`.
 
     KVMEMORY_SHARE_CORES=0 .venv/bin/python benchmarks/batched_step_timing.py --model qwen2.5-coder-0.5b
@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,2,4", help="rows per step to time (comma list, default 1,2,4)")
     parser.add_argument("--context", type=int, default=2048, help="tokens of each chat (default 2048)")
     parser.add_argument("--steps", type=int, default=16, help="steps per batch size and trial (default 16)")
+    parser.add_argument("--tokens", type=int, default=1, help="rows per cache and step, 1-4 (default 1)")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     lm = load_model(resolve_model(args.model))
-    room = lm.model.config.get_text_config().max_position_embeddings - args.steps - 64
+    room = lm.model.config.get_text_config().max_position_embeddings - args.steps * args.tokens - 64
     chats = [agent_chat(default_data_dir(), lm.tokenizer, args.context, room, seed=i).steps["append"]
              for i in range(max(batches))]
     prefilled = [concurrent._prefilled(lm, chat) for chat in chats]
@@ -53,17 +54,18 @@ def main(argv=None) -> int:
         for b in batches:
             forks = [p.fork() for p in prefilled[:b]]
             starts = [len(f.token_ids) for f in forks]
-            capacities = [s + args.steps + 8 for s in starts]
+            capacities = [s + args.steps * args.tokens + 8 for s in starts]
+            ids = torch.tensor([13] * args.tokens)
             times = []
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 if b == 1:
-                    forward_rows(lm.model, forks[0].cache, torch.tensor([13]), starts[0], capacity=capacities[0])
+                    forward_rows(lm.model, forks[0].cache, ids, starts[0], capacity=capacities[0], every_row=True)
                 else:
-                    engine.decode_batch([f.cache for f in forks], torch.tensor([13] * b), starts, capacities)
+                    engine.decode_batch([f.cache for f in forks], [ids] * b, starts, capacities)
                 times.append(time.perf_counter() - t0)
-                starts = [s + 1 for s in starts]
-            print(f"trial {trial} B={b}: median {statistics.median(times[2:]) * 1000:.1f} ms a step "
+                starts = [s + args.tokens for s in starts]
+            print(f"trial {trial} B={b} x {args.tokens} rows: median {statistics.median(times[2:]) * 1000:.1f} ms a step "
                   f"(first {times[0] * 1000:.1f})", flush=True)
     return 0
 

@@ -109,9 +109,9 @@ class KVSession:
                 (:mod:`kvmemory.lookup`; the same answer, fewer forwards when the answer repeats
                 its context); 0 decodes one token per forward. Settable later.
             batcher: a :class:`~kvmemory.engine.batching.DecodeBatcher` shared by sessions of this
-                model (``decode_batcher(model)``): their one-token decode steps run in one kernel
-                call when they decode at the same time, each answer bit for bit its answer alone
-                (same thread count; a forward checking draft tokens runs alone). None: every step alone.
+                model (``decode_batcher(model)``): their decode steps (a token and its draft) run in
+                one kernel call when they decode at the same time, each answer bit for bit its
+                answer alone (same thread count). None: every step alone.
 
         Raises:
             InputTypeError: ``model`` has no transformers config or ``tokenizer`` cannot render chats.
@@ -766,8 +766,8 @@ class KVSession:
         (``[vocab]``; with ``every_row`` ``[m, vocab]``, row i after input i)."""
         start = len(self.token_ids)
         with self.reforge.recording() as captures:
-            if self.batcher is not None and ids.shape[0] == 1 and not every_row:
-                logits = self.batcher.step(self.cache, ids, start, capacity)
+            if self.batcher is not None:  # a decode step or a short append batches with other threads'
+                logits = self.batcher.step(self.cache, ids, start, capacity, every_row=every_row)
             else:
                 logits = forward_rows(self.model, self.cache, ids, start, capacity=capacity, every_row=every_row)
         self.reforge.commit(captures, source_rows=None, rows=start + ids.shape[0], recomputed_all=False, current=adapter)

@@ -13,6 +13,7 @@ import torch
 from kvmemory import kvcache
 from kvmemory.engine import DecodeBatcher, engine_for
 from kvmemory.engine.quantized import ISAS
+from kvmemory.errors import InputError
 from kvmemory.session import KVSession
 from test_engine_qwen import _mixed_qwen2, _runnable
 
@@ -26,19 +27,25 @@ def _prefilled(fast, prompts: list[torch.Tensor]) -> list:
     return caches
 
 
-def assert_batched_equals_alone(fast, prompts: list[torch.Tensor], steps: int, vocab: int) -> None:
-    """Greedy decode every prompt alone (one step per token) and all together (one batched call
-    per step) from identical caches: every step's logits and every cached row equal exactly."""
+def assert_batched_equals_alone(fast, prompts: list[torch.Tensor], steps: int, vocab: int, drafts: bool = False) -> None:
+    """Greedy decode every prompt alone (one forward per step) and all together (one batched call
+    per step) from identical caches: every step's logits and every cached row equal exactly.
+    ``drafts``: cache i's step s also verifies (i + s) % 4 draft tokens (up to 4 rows a cache)."""
     alone, together = _prefilled(fast, prompts), _prefilled(fast, prompts)
-    tokens = torch.tensor([int(ids[-1]) for ids in prompts])  # each thread's next token: its prompt's last
+    tokens = [int(ids[-1]) for ids in prompts]  # each thread's next token: its prompt's last
     starts = [int(ids.shape[0]) for ids in prompts]
+    gen = torch.Generator().manual_seed(len(prompts))
     for step in range(steps):
-        want = torch.stack([fast.forward_rows(c, tokens[i:i + 1], starts[i] + step, capacity=starts[i] + 16)
-                            for i, c in enumerate(alone)])
-        got = fast.decode_batch(together, tokens, [s + step for s in starts], [s + 16 for s in starts])
-        assert got.shape == (len(prompts), vocab)
-        assert torch.equal(got, want), f"step {step}: max diff {(got - want).abs().max().item()}"
-        tokens = want.argmax(-1) % 1000
+        inputs = [torch.tensor([t] + (torch.randint(0, 1000, ((i + step) % 4,), generator=gen).tolist() if drafts else []))
+                  for i, t in enumerate(tokens)]
+        want = [fast.forward_rows(c, inputs[i], starts[i], capacity=starts[i] + 4 * steps, every_row=True)
+                for i, c in enumerate(alone)]
+        got = fast.decode_batch(together, inputs, starts, [s + 4 * steps for s in starts])
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.shape == (inputs[i].shape[0], vocab)
+            assert torch.equal(g, w), f"step {step}, cache {i}: max diff {(g - w).abs().max().item()}"
+        starts = [s + ids.shape[0] for s, ids in zip(starts, inputs)]
+        tokens = [int(w[-1].argmax()) % 1000 for w in want]
     for a, b in zip(alone, together):
         for la, lb in zip(a.layers, b.layers):
             assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
@@ -54,6 +61,24 @@ def test_batched_rows_equal_each_threads_own_step_on_every_isa(isa, threads, mon
     gen = torch.Generator().manual_seed(threads)
     prompts = [torch.randint(0, 1000, (20 + 13 * i,), generator=gen) for i in range(threads)]
     assert_batched_equals_alone(fast, prompts, steps=5, vocab=1024)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_drafts_batch_with_other_threads_rows_on_every_isa(isa, monkeypatch):
+    """Threads verifying 0-3 draft tokens beside others' single tokens: each thread's rows equal
+    its own forward of the token and its draft."""
+    monkeypatch.setenv("KVMEMORY_ISA", _runnable(isa))
+    fast = _mixed_qwen2()
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 1000, (20 + 13 * i,), generator=gen) for i in range(5)]
+    assert_batched_equals_alone(fast, prompts, steps=4, vocab=1024, drafts=True)
+
+
+def test_a_batch_takes_at_most_four_tokens_of_a_cache():
+    fast = _mixed_qwen2()
+    cache = _prefilled(fast, [torch.arange(10)])[0]
+    with pytest.raises(InputError, match="forward_rows"):
+        fast.decode_batch([cache], [torch.arange(5)], [10])
 
 
 @pytest.mark.real_model
@@ -73,17 +98,17 @@ QUESTIONS = ["Name three fruits.", "What is the capital of Italy?", "Write a hai
              "Give me a word that rhymes with cat.", "What is two plus two?"]
 
 
-def _answers_alone(real, questions, tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+def _answers_alone(real, questions, tokens: int, lookup: int = 0) -> list[tuple[list[int], torch.Tensor]]:
     out = []
     for q in questions:
-        s = KVSession(real.model, real.tokenizer, prompt_lookup=0)
+        s = KVSession(real.model, real.tokenizer, prompt_lookup=lookup)
         s.prepare([{"role": "user", "content": q}])
         out.append((s.generate(tokens).token_ids, s._row_logits[1].clone()))
     return out
 
 
-def _answers_together(real, questions, tokens: int, batcher, delays=None) -> list[tuple[list[int], torch.Tensor]]:
-    sessions = [KVSession(real.model, real.tokenizer, prompt_lookup=0, batcher=batcher) for _ in questions]
+def _answers_together(real, questions, tokens: int, batcher, delays=None, lookup: int = 0) -> list[tuple[list[int], torch.Tensor]]:
+    sessions = [KVSession(real.model, real.tokenizer, prompt_lookup=lookup, batcher=batcher) for _ in questions]
     for s, q in zip(sessions, questions):
         s.prepare([{"role": "user", "content": q}])
     results: list = [None] * len(questions)
@@ -125,6 +150,29 @@ def test_threads_joining_mid_answer_get_their_answers_alone(real):
     for (ids_a, logits_a), (ids_b, logits_b) in zip(alone, together):
         assert ids_a == ids_b and torch.equal(logits_a, logits_b)
     assert batcher.batches > 0
+
+
+@pytest.mark.real_model
+def test_threads_verifying_drafts_batch_them_and_get_their_answers_alone(real, monkeypatch):
+    """Prompt lookup on (2 draft tokens): answers that copy their question verify drafts inside
+    the batched calls, and every answer and last logits equal the thread's answer alone."""
+    batcher = DecodeBatcher(real.model)
+    questions = ["Repeat exactly: the quick brown fox jumps over the lazy dog.", "Repeat exactly: red, green, blue, red, green, blue.",
+                 "Copy this line: import numpy as np; import torch as th", QUESTIONS[1]]
+    alone = _answers_alone(real, questions, 24, lookup=2)
+    fast = engine_for(real.model, kvcache.new_cache(real.model.config))
+    rows_per_cache: list[int] = []
+    decode_batch = fast.decode_batch
+
+    def recording(caches, token_ids, *args, **kwargs):
+        rows_per_cache.extend(ids.shape[0] for ids in token_ids)
+        return decode_batch(caches, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(fast, "decode_batch", recording)
+    together = _answers_together(real, questions, 24, batcher, lookup=2)
+    for (ids_a, logits_a), (ids_b, logits_b) in zip(alone, together):
+        assert ids_a == ids_b and torch.equal(logits_a, logits_b)
+    assert batcher.batches > 0 and max(rows_per_cache) > 1  # some batch verified a draft
 
 
 @pytest.mark.real_model

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's is the same function
 
+from ..errors import InputError
 from .base import BufferedEngine
 from .buffers import CacheBuffers
 from .dense import DenseWeights, sources
@@ -43,6 +44,9 @@ from .quantized import FusedBlocks, Q4Linear, Q8Linear, kernel, on_huge_pages
 # bf16 GEMMs from 24 rows).
 DENSE_FROM_ROWS = 24
 EXACT_DENSE_FROM_ROWS = 96
+# A batched call takes up to this many rows per cache (a decoded token and its draft): the
+# kernel's rows per pass of the blocks, so each row keeps the one-row arithmetic (LlamaDecoder::batch_rows).
+BATCH_TOKENS = 4
 
 
 @dataclass
@@ -218,30 +222,36 @@ class QuantizedLlama(BufferedEngine):
         return logits if every_row else logits[0]
 
     @torch.no_grad()
-    def decode_batch(self, caches: list, token_ids: torch.Tensor, starts: list[int],
-                     capacities: list[int | None] | None = None) -> torch.Tensor:
-        """One decoded token for each of B caches in one kernel call (batched decoding): every
-        linear reads its blocks once for all B rows, each row attends to its own cache.
+    def decode_batch(self, caches: list, token_ids: list[torch.Tensor], starts: list[int],
+                     capacities: list[int | None] | None = None) -> list[torch.Tensor]:
+        """The pending rows of B caches in one kernel call (batched decoding): every linear reads
+        its blocks once for all rows, each cache's rows attend to that cache.
 
         ``caches``: B plain caches, cache i holding exactly ``starts[i]`` rows (the same rules as
-        :meth:`forward_rows` with one token); ``token_ids``: LongTensor ``[B]``. Returns fp32 logits
-        ``[B, vocab]``: row i bit for bit what ``forward_rows(caches[i], token_ids[i:i+1],
-        starts[i])`` returns (same arithmetic, run at the same thread count).
+        :meth:`forward_rows`); ``token_ids``: B LongTensors ``[m_i]`` (a decoded token, with its
+        draft tokens to verify: m_i <= 4). Returns B fp32 logits ``[m_i, vocab]``, row j after
+        input j: bit for bit what ``forward_rows(caches[i], token_ids[i], starts[i],
+        every_row=True)`` returns (same arithmetic, run at the same thread count).
 
         Raises:
             RuntimeError: the int8-activation engine (batched decoding is exact fp32 only).
+            InputError: an input of more than 4 tokens.
         """
+        counts = [int(ids.shape[0]) for ids in token_ids]
+        if max(counts) > BATCH_TOKENS:
+            raise InputError(f"decode_batch takes up to {BATCH_TOKENS} tokens per cache (got {max(counts)}); "
+                             "forward longer inputs with forward_rows")
         capacities = capacities or [None] * len(caches)
-        storages = [self.buffers.reserve(c, s, 1, cap) for c, s, cap in zip(caches, starts, capacities)]
+        storages = [self.buffers.reserve(c, s, m, cap) for c, s, m, cap in zip(caches, starts, counts, capacities)]
         body = self.model.model
-        hidden = body.embed_tokens(token_ids)  # [B, hidden]
-        positions = torch.tensor(starts, dtype=torch.long)
+        hidden = body.embed_tokens(torch.cat(token_ids))  # [R, hidden]
+        positions = torch.cat([torch.arange(s, s + m) for s, m in zip(starts, counts)])
         cos, sin = body.rotary_emb(hidden[None], positions[None])
-        logits = self.decoder.batch_step(hidden, [s.all_keys for s in storages], [s.all_values for s in storages],
-                                         cos[0].contiguous(), sin[0].contiguous(), positions)
-        for cache, storage, start in zip(caches, storages, starts):
-            self.buffers.publish(cache, storage, start + 1)
-        return logits
+        logits = self.decoder.batch_rows(hidden, [s.all_keys for s in storages], [s.all_values for s in storages],
+                                         cos[0].contiguous(), sin[0].contiguous(), positions, counts, True)
+        for cache, storage, start, m in zip(caches, storages, starts, counts):
+            self.buffers.publish(cache, storage, start + m)
+        return list(logits.split(counts))
 
     @torch.no_grad()
     def refresh_rows(self, cache, token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:

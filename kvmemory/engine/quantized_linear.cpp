@@ -1665,68 +1665,88 @@ class LlamaDecoder {
     return logits;
   }
 
-  // One decoded token for each of B threads at once (batched decoding): row i is thread i's token
-  // at position pos[i] of its own cache (keys[i] / values[i], each as in step()). Every linear
-  // reads its blocks once per kEachRows rows; each row's arithmetic is step()'s, operation for
-  // operation, so its logits are bit for bit what step() gives it alone (at the same thread
-  // count). hidden [B, H], cos / sin [B, head_dim]. Returns logits [B, V].
-  torch::Tensor batch_step(torch::Tensor hidden, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
-                           torch::Tensor cos, torch::Tensor sin, torch::Tensor positions) {
+  // The pending rows of G threads at once (batched decoding): group g is counts[g] consecutive
+  // rows of hidden (its decoded token, with its draft tokens to verify or a short append), at
+  // strictly increasing positions of its own cache (keys[g] / values[g], each as in step()).
+  // Every linear reads its blocks once per kEachRows rows with each row's one-row arithmetic
+  // (apply_each), and a group's rows attend to their cache in one attend_rows call, so a group's
+  // rows are bit for bit what this call gives them alone (at the same thread count); a group of
+  // one row is step()'s row. hidden [R, H], cos / sin [R, head_dim], positions [R], counts [G].
+  // Returns logits [R, V] (every_row) or [G, V] for each group's last row.
+  torch::Tensor batch_rows(torch::Tensor hidden, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                           torch::Tensor cos, torch::Tensor sin, torch::Tensor positions, std::vector<int64_t> counts,
+                           bool every_row) {
     TORCH_CHECK(!int8_, "batched decoding runs the exact fp32 engine only");
-    const int64_t B = hidden.size(0), H = hidden.size(1), layers = qkv_.size(), D = head_dim_;
+    const int64_t R = hidden.size(0), H = hidden.size(1), G = counts.size(), layers = qkv_.size(), D = head_dim_;
     const int64_t q_width = heads_ * D, kv_width = kv_heads_ * D, qkv_width = q_width + 2 * kv_width;
     const int64_t inter = gate_up_[0].out() / 2, wide = std::max(H, 2 * inter);
-    TORCH_CHECK(int64_t(keys.size()) == B && int64_t(values.size()) == B && positions.size(0) == B &&
-                positions.scalar_type() == torch::kInt64 && positions.is_contiguous(), "one cache and position per row");
-    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == B && cos.size(1) == D,
-                "cos / sin must be contiguous [B, head_dim]");
+    TORCH_CHECK(int64_t(keys.size()) == G && int64_t(values.size()) == G && positions.size(0) == R &&
+                positions.scalar_type() == torch::kInt64 && positions.is_contiguous(), "one cache per group, one position per row");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == R && cos.size(1) == D,
+                "cos / sin must be contiguous [R, head_dim]");
     const int64_t* pos = positions.data_ptr<int64_t>();
-    for (int64_t i = 0; i < B; ++i)
-      TORCH_CHECK(keys[i].is_contiguous() && values[i].is_contiguous() && keys[i].size(0) == layers && pos[i] < keys[i].size(3),
-                  "keys / values must be contiguous [layers, 1, kv_heads, capacity > pos, head_dim]");
+    std::vector<int64_t> first(G + 1, 0);  // group g: rows [first[g], first[g + 1])
+    for (int64_t g = 0; g < G; ++g) {
+      TORCH_CHECK(counts[g] > 0, "every group has at least one row");
+      first[g + 1] = first[g] + counts[g];
+      for (int64_t i = first[g]; i < first[g + 1]; ++i)
+        TORCH_CHECK(pos[i] >= 0 && (i == first[g] || pos[i] > pos[i - 1]), "a group's positions must increase strictly from >= 0");
+      TORCH_CHECK(keys[g].is_contiguous() && values[g].is_contiguous() && keys[g].size(0) == layers &&
+                      pos[first[g + 1] - 1] < keys[g].size(3),
+                  "keys / values must be contiguous [layers, 1, kv_heads, capacity > last position, head_dim]");
+    }
+    TORCH_CHECK(first[G] == R, "the groups' rows must add up to hidden's rows");
     auto h = hidden.contiguous().clone();
     float* hp = h.data_ptr<float>();
-    std::vector<float> x(B * std::max(H, inter)), qkv(B * qkv_width), attn(B * q_width), out(B * wide),
-        sums(B * (std::max({H, inter, q_width}) / kBlock + 1)), act(B * inter);
+    std::vector<float> x(R * std::max(H, inter)), qkv(R * qkv_width), attn(R * q_width), out(R * wide),
+        sums(R * (std::max({H, inter, q_width}) / kBlock + 1)), act(R * inter);
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-    // the block sums of R rows of width K, packed [B, K/32] as apply_each reads them
-    auto block_sums_of = [&](const float* rows, int64_t K) {
-      for (int64_t i = 0; i < B; ++i) sums_of_blocks(rows + i * K, K, sums.data() + i * (K / kBlock));
+    // the block sums of n rows of width K, packed [n, K/32] as apply_each reads them
+    auto block_sums_of = [&](const float* rows, int64_t n, int64_t K) {
+      for (int64_t i = 0; i < n; ++i) sums_of_blocks(rows + i * K, K, sums.data() + i * (K / kBlock));
     };
     for (int64_t l = 0; l < layers; ++l) {
-      for (int64_t i = 0; i < B; ++i) rms_norm(hp + i * H, input_norms_[l].data_ptr<float>(), H, eps_, x.data() + i * H);
-      block_sums_of(x.data(), H);
-      qkv_[l].apply_each(x.data(), B, H, qkv.data(), qkv_width, sums.data());
-      for (int64_t i = 0; i < B; ++i) {
-        float* q = qkv.data() + i * qkv_width;
-        float* k = q + q_width;
-        float* v = k + kv_width;
-        for (int64_t hd = 0; hd < heads_; ++hd) rotate(q + hd * D, cp + i * D, sp + i * D, D);
-        for (int64_t g = 0; g < kv_heads_; ++g) rotate(k + g * D, cp + i * D, sp + i * D, D);
-        const int64_t capacity = keys[i].size(3);
-        float* kl = keys[i].data_ptr<float>() + l * kv_heads_ * capacity * D;
-        float* vl = values[i].data_ptr<float>() + l * kv_heads_ * capacity * D;
-        for (int64_t g = 0; g < kv_heads_; ++g) {
-          std::copy(k + g * D, k + (g + 1) * D, kl + (g * capacity + pos[i]) * D);
-          std::copy(v + g * D, v + (g + 1) * D, vl + (g * capacity + pos[i]) * D);
+      norm_rows(hp, input_norms_[l], R, H, x.data());
+      block_sums_of(x.data(), R, H);
+      qkv_[l].apply_each(x.data(), R, H, qkv.data(), qkv_width, sums.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t capacity = keys[g].size(3);
+        float* kl = keys[g].data_ptr<float>() + l * kv_heads_ * capacity * D;
+        float* vl = values[g].data_ptr<float>() + l * kv_heads_ * capacity * D;
+        for (int64_t i = first[g]; i < first[g + 1]; ++i) {
+          float* q = qkv.data() + i * qkv_width;
+          float* k = q + q_width;
+          float* v = k + kv_width;
+          for (int64_t hd = 0; hd < heads_; ++hd) rotate(q + hd * D, cp + i * D, sp + i * D, D);
+          for (int64_t kv = 0; kv < kv_heads_; ++kv) {
+            rotate(k + kv * D, cp + i * D, sp + i * D, D);
+            std::copy(k + kv * D, k + (kv + 1) * D, kl + (kv * capacity + pos[i]) * D);
+            std::copy(v + kv * D, v + (kv + 1) * D, vl + (kv * capacity + pos[i]) * D);
+          }
         }
-        attend(q, kl, vl, capacity, pos[i] + 1, attn.data() + i * q_width);
+        attend_rows(qkv.data() + first[g] * qkv_width, qkv_width, kl, vl, capacity, pos + first[g], counts[g],
+                    attn.data() + first[g] * q_width);
       }
-      block_sums_of(attn.data(), q_width);
-      o_[l].apply_each(attn.data(), B, q_width, out.data(), H, sums.data());
-      for (int64_t i = 0; i < B * H; ++i) hp[i] += out[i];
-      for (int64_t i = 0; i < B; ++i) rms_norm(hp + i * H, post_norms_[l].data_ptr<float>(), H, eps_, x.data() + i * H);
-      block_sums_of(x.data(), H);
-      gate_up_[l].apply_each(x.data(), B, H, out.data(), 2 * inter, sums.data());
-      for (int64_t i = 0; i < B; ++i) silu_mul(out.data() + i * 2 * inter, out.data() + i * 2 * inter + inter, inter, act.data() + i * inter);
-      block_sums_of(act.data(), inter);
-      down_[l].apply_each(act.data(), B, inter, out.data(), H, sums.data());
-      for (int64_t i = 0; i < B * H; ++i) hp[i] += out[i];
+      block_sums_of(attn.data(), R, q_width);
+      o_[l].apply_each(attn.data(), R, q_width, out.data(), H, sums.data());
+      for (int64_t i = 0; i < R * H; ++i) hp[i] += out[i];
+      norm_rows(hp, post_norms_[l], R, H, x.data());
+      block_sums_of(x.data(), R, H);
+      gate_up_[l].apply_each(x.data(), R, H, out.data(), 2 * inter, sums.data());
+      for (int64_t i = 0; i < R; ++i) silu_mul(out.data() + i * 2 * inter, out.data() + i * 2 * inter + inter, inter, act.data() + i * inter);
+      block_sums_of(act.data(), R, inter);
+      down_[l].apply_each(act.data(), R, inter, out.data(), H, sums.data());
+      for (int64_t i = 0; i < R * H; ++i) hp[i] += out[i];
     }
-    for (int64_t i = 0; i < B; ++i) rms_norm(hp + i * H, final_norm_.data_ptr<float>(), H, eps_, x.data() + i * H);
-    block_sums_of(x.data(), H);
-    auto logits = torch::empty({B, head_.out()}, hidden.options());
-    head_.apply_each(x.data(), B, H, logits.data_ptr<float>(), head_.out(), sums.data());
+    // the rows that get logits: every row, or each group's last
+    std::vector<int64_t> heads_of;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t i = every_row ? first[g] : first[g + 1] - 1; i < first[g + 1]; ++i) heads_of.push_back(i);
+    const int64_t n = heads_of.size();
+    for (int64_t j = 0; j < n; ++j) rms_norm(hp + heads_of[j] * H, final_norm_.data_ptr<float>(), H, eps_, x.data() + j * H);
+    block_sums_of(x.data(), n, H);
+    auto logits = torch::empty({n, head_.out()}, hidden.options());
+    head_.apply_each(x.data(), n, H, logits.data_ptr<float>(), head_.out(), sums.data());
     return logits;
   }
 
@@ -1749,6 +1769,9 @@ class LlamaDecoder {
                 "keys / values must be contiguous [layers, 1, kv_heads, capacity > last position, head_dim]");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == n && cos.size(1) == D,
                 "cos / sin must be contiguous [n, head_dim]");
+    // a few exact rows (a draft to verify, a short append): the batched rows' arithmetic, so a
+    // thread's draft computes the same alone as in a batch with other threads' rows
+    if (!int8_ && n <= kEachRows) return batch_rows(hidden, {keys}, {values}, cos, sin, positions, {n}, every_row);
     const int64_t capacity = keys.size(3);
     auto h = hidden.contiguous().clone();
     float* hp = h.data_ptr<float>();
@@ -1998,7 +2021,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           torch::Tensor, std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool>())
       .def("step", &LlamaDecoder::step, "one decoded token through every layer; returns logits",
            pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("batch_step", &LlamaDecoder::batch_step, "one decoded token for each of B caches; returns logits [B, V]",
+      .def("batch_rows", &LlamaDecoder::batch_rows, "the pending rows of several caches in one call; returns logits",
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("rows", &LlamaDecoder::rows, "a few new rows through every layer; returns logits [n or 1, V]",
            pybind11::call_guard<pybind11::gil_scoped_release>());
