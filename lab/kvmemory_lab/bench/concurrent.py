@@ -12,7 +12,8 @@ cache. Systems:
   ``n_seq_max = N`` and every step one ``llama_batch`` holding the N sequences' tokens (what the
   llama.cpp server does for parallel slots), when llama-cpp-python is installed.
 
-Prompt lookup is off for kvmemory (one token per forward, as llama.cpp here). Reported per N:
+Prompt lookup is off for kvmemory by default (one token per forward, as llama.cpp here;
+``--prompt-lookup 2``: the sessions' default drafts, verified inside the batches). Reported per N:
 aggregate decoded tokens/s, per-thread tokens/s, p95 time per token (ms), medians of interleaved
 trials. Writes ``concurrent.json``, ``.md`` and ``.png``.
 """
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens each thread decodes (default 128)")
     parser.add_argument("--trials", type=int, default=2, help="interleaved trials, medians reported (default 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch and llama.cpp CPU threads (default 2)")
+    parser.add_argument("--prompt-lookup", type=int, default=0,
+                        help="kvmemory's draft tokens per forward (default 0: one token per forward, as llama.cpp here)")
     parser.add_argument("--model", default=None, help="qwen2.5-coder-0.5b / -1.5b or a .gguf (default: the embedded model)")
     parser.add_argument("--data", type=Path, default=None, help="shared data folder holding hotpotqa/ (default ../shared/data)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/concurrent"), help="output folder")
@@ -67,7 +70,8 @@ def run(args, console) -> int:
     prompts = [_prompt_ids(lm, chat) for chat in chats]
     meta = {"command": " ".join(["kvmemory bench concurrent", *sys.argv[3:]]), "machine": machine_name(),
             "cpu_flags": simd_flags(), "threads": args.threads, "model": args.model or "SmolLM2-135M-Instruct (embedded)",
-            "context": args.context, "tokens": args.tokens, "trials": args.trials, "loadavg_start": load_average(),
+            "context": args.context, "tokens": args.tokens, "trials": args.trials, "prompt_lookup": args.prompt_lookup,
+            "loadavg_start": load_average(),
             "prompt_tokens": [len(p) for p in prompts], "skipped": [skip] if skip else [],
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     rows = []
@@ -77,7 +81,8 @@ def run(args, console) -> int:
                 if name.startswith("llama.cpp"):
                     times = _llama_batched(gguf, prompts[:n], args.tokens, args.threads, stops)
                 else:
-                    times = _kvmemory(lm, prefilled[:n], args.tokens, stops, batched=name.endswith("batched"))
+                    times = _kvmemory(lm, prefilled[:n], args.tokens, stops, batched=name.endswith("batched"),
+                                      lookup=args.prompt_lookup)
                 rows.append(_row(name, n, trial, times, args.tokens))
                 r = rows[-1]
                 print(f"trial {trial} N={n} {name:22} {r['aggregate_tok_s']:7.1f} tok/s aggregate, "
@@ -106,14 +111,15 @@ def _masked(stops: list[int]):
     return mask
 
 
-def _kvmemory(lm, prefilled: list[KVSession], tokens: int, stops: list[int], batched: bool) -> list[list[float]]:
-    """Each thread decodes ``tokens`` from a fork of its prefilled session; returns each thread's
-    token times (seconds since the common start)."""
+def _kvmemory(lm, prefilled: list[KVSession], tokens: int, stops: list[int], batched: bool,
+              lookup: int = 0) -> list[list[float]]:
+    """Each thread decodes ``tokens`` from a fork of its prefilled session (``lookup`` draft tokens
+    per forward); returns each thread's token times (seconds since the common start)."""
     batcher = decode_batcher(lm.model) if batched else None
     sessions = []
     for s in prefilled:
         fork = s.fork()
-        fork.batcher = batcher
+        fork.batcher, fork.prompt_lookup = batcher, lookup
         sessions.append(fork)
     stamps: list[list[float]] = [[] for _ in sessions]
     start = threading.Barrier(len(sessions) + 1)
@@ -238,7 +244,8 @@ def markdown(meta: dict, table: list[dict]) -> str:
              f"{meta['started']} on {meta['machine']}; CPU flags: {' '.join(meta['cpu_flags'])}. Load average "
              f"{meta['loadavg_start'][0]} at the start, {meta['loadavg_end'][0]} at the end. Each thread: its own "
              f"agent chat ({min(meta['prompt_tokens'])}-{max(meta['prompt_tokens'])} prompt tokens), {meta['tokens']} "
-             f"greedy tokens (stop tokens masked); medians of {meta['trials']} interleaved trials.", ""]
+             f"greedy tokens (stop tokens masked), kvmemory with {meta.get('prompt_lookup', 0)} draft tokens per "
+             f"forward; medians of {meta['trials']} interleaved trials.", ""]
     lines += [f"- {s}" for s in meta["skipped"]] + ([""] if meta["skipped"] else [])
     lines += ["| system | N | aggregate tok/s | per-thread tok/s | p95 ms per token | aggregate ÷ own N=1 |",
               "|---|---|---|---|---|---|"]
