@@ -1635,18 +1635,10 @@ class LlamaDecoder {
       rms_norm(hp, input_norms_[l].data_ptr<float>(), H, eps_, x.data());
       sums_of_blocks(x.data(), H, sums.data());
       qkv_[l].apply(x.data(), H, qkv.data(), sums.data(), int8_, scratch, scratch8);
-      float* q = qkv.data();
-      float* k = q + q_width;
-      float* v = k + kv_width;
-      for (int64_t hd = 0; hd < heads_; ++hd) rotate(q + hd * D, cp, sp, D);
-      for (int64_t g = 0; g < kv_heads_; ++g) rotate(k + g * D, cp, sp, D);
       float* kl = keys.data_ptr<float>() + l * kv_heads_ * capacity * D;
       float* vl = values.data_ptr<float>() + l * kv_heads_ * capacity * D;
-      for (int64_t g = 0; g < kv_heads_; ++g) {
-        std::copy(k + g * D, k + (g + 1) * D, kl + (g * capacity + pos) * D);
-        std::copy(v + g * D, v + (g + 1) * D, vl + (g * capacity + pos) * D);
-      }
-      attend(q, kl, vl, capacity, pos + 1, attn.data());
+      rotate_and_store(qkv.data(), cp, sp, kl, vl, capacity, pos);
+      attend(qkv.data(), kl, vl, capacity, pos + 1, attn.data());
       sums_of_blocks(attn.data(), q_width, sums.data());
       o_[l].apply(attn.data(), q_width, out.data(), sums.data(), int8_, scratch, scratch8);
       for (int64_t i = 0; i < H; ++i) hp[i] += out[i];
@@ -1713,17 +1705,8 @@ class LlamaDecoder {
         const int64_t capacity = keys[g].size(3);
         float* kl = keys[g].data_ptr<float>() + l * kv_heads_ * capacity * D;
         float* vl = values[g].data_ptr<float>() + l * kv_heads_ * capacity * D;
-        for (int64_t i = first[g]; i < first[g + 1]; ++i) {
-          float* q = qkv.data() + i * qkv_width;
-          float* k = q + q_width;
-          float* v = k + kv_width;
-          for (int64_t hd = 0; hd < heads_; ++hd) rotate(q + hd * D, cp + i * D, sp + i * D, D);
-          for (int64_t kv = 0; kv < kv_heads_; ++kv) {
-            rotate(k + kv * D, cp + i * D, sp + i * D, D);
-            std::copy(k + kv * D, k + (kv + 1) * D, kl + (kv * capacity + pos[i]) * D);
-            std::copy(v + kv * D, v + (kv + 1) * D, vl + (kv * capacity + pos[i]) * D);
-          }
-        }
+        for (int64_t i = first[g]; i < first[g + 1]; ++i)
+          rotate_and_store(qkv.data() + i * qkv_width, cp + i * D, sp + i * D, kl, vl, capacity, pos[i]);
         attend_rows(qkv.data() + first[g] * qkv_width, qkv_width, kl, vl, capacity, pos + first[g], counts[g],
                     attn.data() + first[g] * q_width);
       }
@@ -1784,17 +1767,8 @@ class LlamaDecoder {
       auto qkv = qkv_[l].apply_rows(x, int8_);
       float* kl = keys.data_ptr<float>() + l * kv_heads_ * capacity * D;
       float* vl = values.data_ptr<float>() + l * kv_heads_ * capacity * D;
-      for (int64_t i = 0; i < n; ++i) {
-        float* q = qkv.data_ptr<float>() + i * (q_width + 2 * kv_width);
-        float* k = q + q_width;
-        float* v = k + kv_width;
-        for (int64_t hd = 0; hd < heads_; ++hd) rotate(q + hd * D, cp + i * D, sp + i * D, D);
-        for (int64_t g = 0; g < kv_heads_; ++g) {
-          rotate(k + g * D, cp + i * D, sp + i * D, D);
-          std::copy(k + g * D, k + (g + 1) * D, kl + (g * capacity + pos[i]) * D);
-          std::copy(v + g * D, v + (g + 1) * D, vl + (g * capacity + pos[i]) * D);
-        }
-      }
+      for (int64_t i = 0; i < n; ++i)
+        rotate_and_store(qkv.data_ptr<float>() + i * (q_width + 2 * kv_width), cp + i * D, sp + i * D, kl, vl, capacity, pos[i]);
       attend_rows(qkv.data_ptr<float>(), q_width + 2 * kv_width, kl, vl, capacity, pos, n, attn.data_ptr<float>());
       add_rows(hp, o_[l].apply_rows(attn, int8_), n * H);
       norm_rows(hp, post_norms_[l], n, H, x.data_ptr<float>());
@@ -1812,6 +1786,22 @@ class LlamaDecoder {
   }
 
  private:
+  // one row's fused q / k / v output (qkv: q, then k, then v): rotates q and k at the row's
+  // position (cos / sin [head_dim]) and writes k and v into row pos of a layer's cache (kl / vl:
+  // [kv_heads, capacity, head_dim])
+  void rotate_and_store(float* qkv, const float* cos, const float* sin, float* kl, float* vl, int64_t capacity,
+                        int64_t pos) const {
+    const int64_t D = head_dim_;
+    float* k = qkv + heads_ * D;
+    float* v = k + kv_heads_ * D;
+    for (int64_t hd = 0; hd < heads_; ++hd) rotate(qkv + hd * D, cos, sin, D);
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      rotate(k + g * D, cos, sin, D);
+      std::copy(k + g * D, k + (g + 1) * D, kl + (g * capacity + pos) * D);
+      std::copy(v + g * D, v + (g + 1) * D, vl + (g * capacity + pos) * D);
+    }
+  }
+
   void norm_rows(const float* x, const torch::Tensor& weight, int64_t n, int64_t H, float* out) const {
     for (int64_t i = 0; i < n; ++i) rms_norm(x + i * H, weight.data_ptr<float>(), H, eps_, out + i * H);
   }
