@@ -3,8 +3,9 @@
 B threads' caches (each its own ~2 K agent chat of HotpotQA tool results, prefilled once) are
 forked, and per step either ``forward_rows`` (B = 1) or ``QuantizedLlama.decode_batch`` (B > 1)
 computes ``--tokens`` new rows per cache (1: a decode step; 3: a token with a 2-token draft).
-Medians of the steps after the first two, per B and trial. This is the kernel alone: `kvmemory bench concurrent` measures the same through
-``KVSession`` threads and the :class:`~kvmemory.engine.batching.DecodeBatcher`.
+Medians of the steps after the first two, per B and trial. This is the kernel alone:
+`kvmemory bench concurrent` measures the same through ``KVSession`` threads and the
+:class:`~kvmemory.engine.batching.DecodeBatcher`.
 
     KVMEMORY_SHARE_CORES=0 .venv/bin/python benchmarks/batched_step_timing.py --model qwen2.5-coder-0.5b
 
