@@ -99,6 +99,13 @@ class RepairPolicy(Settings):
     last ``tail_tokens`` stale rows before the query first (the turn the answer follows), inside
     the allowance.
 
+    Two-dimensional budget (our extension, off by default): with ``lower_layers`` = d > 0, every
+    stale suffix row is recomputed in the model's first d layers (those layers become exact), and
+    the allowance B chosen by the allocator in every layer. Its compute, in whole-model tokens, is
+    B + (S - B) · d / L for a model of L layers (``recomputed_tokens`` reports it). It needs the
+    packed executor; where that cannot run, the suffix is replayed (reported). Label option
+    ``+lower<d>``, e.g. ``sur+lower2@5``.
+
     Raises:
         pydantic.ValidationError (a ValueError): budget outside [0, 100], unknown allocator,
             executor or backend.
@@ -122,6 +129,7 @@ class RepairPolicy(Settings):
     relevance: Relevance = "paper"
     ties: Ties = "earliest"
     tail_tokens: int = Field(0, ge=0, strict=True)
+    lower_layers: int = Field(0, ge=0, strict=True)
     replay_margin: float = Field(0.0, ge=0.0, strict=True)
 
     @field_validator("budget")
@@ -147,6 +155,11 @@ class RepairPolicy(Settings):
     def _scope_only_for_reprefill(self) -> "RepairPolicy":
         if self.budget == "auto" and self.start > self.max_budget:
             raise ValueError(f"start ({self.start} %) must not exceed max_budget ({self.max_budget} %) for budget='auto'")
+        if self.lower_layers and not (self.operator == "refresh" and self.budget != "auto"):
+            raise ValueError(
+                f"lower_layers (a two-dimensional budget) needs a fixed-budget refresh such as 'sur+lower2@5' (got "
+                f"operator={self.operator!r}, budget={self.budget!r})"
+            )
         if self.scope == "always" and self.operator != "reprefill":
             raise ValueError(
                 f"scope='always' forces a full Re-prefill on every call and needs operator='reprefill' (got "
@@ -161,8 +174,8 @@ class RepairPolicy(Settings):
         ``reprefill:always``, ``<allocator>@<budget>`` (e.g. ``sur@5``, ``bm25@2``) or
         ``<allocator>@auto[:<signal>][:<tolerance>]`` (adaptive budget, e.g. ``sur@auto``,
         ``sur@auto:0.1``, ``sur@auto:query_kl:0.0001``). Selection options follow the allocator: ``+idf``
-        (relevance="idf"), ``+latest`` (ties="latest"), ``+tail<N>`` (tail_tokens=N), e.g.
-        ``sur+idf+tail32@5``. Decode-time Replay follows the whole label: ``:margin=<nats>``
+        (relevance="idf"), ``+latest`` (ties="latest"), ``+tail<N>`` (tail_tokens=N), ``+lower<d>``
+        (lower_layers=d), e.g. ``sur+idf+tail32@5``. Decode-time Replay follows the whole label: ``:margin=<nats>``
         (replay_margin), e.g. ``shift:margin=0.03``, ``sur@5:margin=0.1``.
 
         Raises:
@@ -245,14 +258,15 @@ class RepairPolicy(Settings):
             return self.operator
         name = self.allocator + "".join(
             f"+{part}" for part, on in (("idf", self.relevance == "idf"), ("latest", self.ties == "latest"),
-                                        (f"tail{self.tail_tokens}", self.tail_tokens > 0)) if on)
+                                        (f"tail{self.tail_tokens}", self.tail_tokens > 0),
+                                        (f"lower{self.lower_layers}", self.lower_layers > 0)) if on)
         if self.budget == "auto":
             return f"{name}@auto:{self.signal}:{self.tolerance:g}"
         return f"{name}@{self.budget:g}"
 
 
 def _option_fields(suffixes: list[str]) -> dict:
-    """``["idf", "latest", "tail32"]`` -> RepairPolicy fields; ValueError names unknown ones."""
+    """``["idf", "latest", "tail32", "lower2"]`` -> RepairPolicy fields; ValueError names unknown ones."""
     fields: dict = {}
     for part in suffixes:
         if part == "idf":
@@ -261,8 +275,10 @@ def _option_fields(suffixes: list[str]) -> dict:
             fields["ties"] = "latest"
         elif part.startswith("tail") and part[4:].isdigit():
             fields["tail_tokens"] = int(part[4:])
+        elif part.startswith("lower") and part[5:].isdigit():
+            fields["lower_layers"] = int(part[5:])
         else:
-            raise ValueError(f"unknown selection option +{part} (use +idf, +latest or +tail<N>)")
+            raise ValueError(f"unknown selection option +{part} (use +idf, +latest, +tail<N> or +lower<d>)")
     return fields
 
 

@@ -18,10 +18,13 @@ import torch
 import torch.nn.functional as F
 
 
-def packed_hidden_states(model, cache, ids: torch.Tensor, pos: torch.Tensor, attend, write, blocks=None):
+def packed_hidden_states(model, cache, ids: torch.Tensor, pos: torch.Tensor, attend, write, blocks=None, *,
+                         layers: range | None = None, hidden: torch.Tensor | None = None):
     """The packed traversal (eqs. 21-22): the B-row hidden-state buffer ``[1, B, hidden]`` after
     the last layer (before the final norm) for tokens ``ids`` ``[1, B]`` at positions ``pos``
-    ``[B]``. At each layer ``write(keys, values, k, v)`` stores the rows' fresh K/V in
+    ``[B]``. ``layers`` / ``hidden``: traverse only these consecutive layers, starting from the
+    rows' hidden states ``[1, B, hidden]`` at the input of the first (default: every layer, from
+    the token embeddings); the output is then the hidden states after the last of them. At each layer ``write(keys, values, k, v)`` stores the rows' fresh K/V in
     ``cache.layers[i]`` (anything with ``keys`` / ``values`` tensors ``[1, kv_heads, rows,
     head_dim]``), then ``attend(q, keys, values, scale)`` returns their attention output
     ``[1, heads, B, head_dim]``. ``blocks``: the engine's block linears
@@ -29,10 +32,13 @@ def packed_hidden_states(model, cache, ids: torch.Tensor, pos: torch.Tensor, att
     the ``"cuda_graphs"`` engine's decode step (:mod:`kvmemory.engine.graphs`)."""
     decoder = model.get_decoder()
     plain_mlps = [is_plain_mlp(layer.mlp) for layer in decoder.layers]  # checked once, not per layer call
+    layers = layers if layers is not None else range(len(decoder.layers))
     with torch.no_grad():
-        hidden = model.get_input_embeddings()(ids)
+        if hidden is None:
+            hidden = model.get_input_embeddings()(ids)
         cos, sin = decoder.rotary_emb(hidden, position_ids=pos[None])
-        for i, (layer, cache_layer, plain_mlp) in enumerate(zip(decoder.layers, cache.layers, plain_mlps)):
+        for i in layers:
+            layer, cache_layer, plain_mlp = decoder.layers[i], cache.layers[i], plain_mlps[i]
             linears = blocks.layers[i] if blocks is not None else None
             attn = layer.self_attn
             q, k, v = _fresh_qkv(attn, layer.input_layernorm(hidden), cos, sin, linears[0] if linears else None)
@@ -58,12 +64,13 @@ def _gated_mlp_on_blocks(mlp, gate_up, down, x: torch.Tensor) -> torch.Tensor:
 def is_plain_mlp(mlp) -> bool:
     """Whether ``mlp`` is transformers' own gated MLP ``down(act(gate(x)) * up(x))`` over plain
     bias-free ``nn.Linear`` s, whose weights :func:`_gated_mlp_by_columns` may use directly. A wrapped
-    projection (a PEFT LoRA layer, a quantised linear) keeps the module call."""
+    projection (a PEFT LoRA layer, a quantised linear) keeps the module call, and so does a weight
+    the block engine released (empty until its module's call dequantizes it, see ``dense.py``)."""
     projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     return (
         type(mlp).__module__.startswith("transformers.models.")
         and hasattr(mlp, "act_fn")
-        and all(type(p) is torch.nn.Linear and p.bias is None for p in projections)
+        and all(type(p) is torch.nn.Linear and p.bias is None and p.weight.numel() for p in projections)
     )
 
 

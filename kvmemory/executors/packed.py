@@ -50,6 +50,8 @@ def run_packed(
     backend: str = "sdpa",
     in_place: bool = False,
     fused_scatter: bool = False,
+    lower_rows=None,
+    lower_layers: int = 0,
 ) -> tuple[DynamicCache, ForwardResult]:
     """Refresh the rows at ``positions`` through every layer in one layer-major traversal
     (paper §3.3, Appendix 13.2, eqs. 21–22).
@@ -65,15 +67,22 @@ def run_packed(
         in_place: write into ``cache`` itself instead of one complete output copy.
         fused_scatter: with ``backend="triton"``, write fresh K/V with the one-launch Triton
             scatter instead of torch indexed writes (the default, as in the paper's measurements).
+        lower_rows / lower_layers: a two-dimensional budget (our extension beyond the paper): the
+            rows at ``lower_rows`` (LongTensor ``[R]``, strictly increasing, a superset of
+            ``positions``) are recomputed in the first ``lower_layers`` layers, and only
+            ``positions`` in the layers above (default 0: every layer computes ``positions``).
 
     Returns:
         ``(cache, result)``: the refreshed cache (``cache`` itself when in place) holding N rows,
         bit-identical to the input outside U, and a ForwardResult whose fp32 logits ``[vocab]``
-        predict the token after position N-1 when N-1 is selected (else None).
+        predict the token after position N-1 when N-1 is selected (else None). Its
+        ``forwarded_tokens`` is B, plus with a lower stage the extra rows' share of the layers,
+        (R - B) · lower_layers / layers (rounded): tokens of whole-model compute.
 
     Raises:
         PackedUnsupportedError: the model is not supported (reason in the message).
-        ValueError: bad positions or backend.
+        ValueError: bad positions or backend; ``positions`` not within ``lower_rows``;
+            ``lower_layers`` outside [0, layers].
         ImportError / kvmemory.kernels.TritonUnavailableError: backend "triton" without triton,
             or without a GPU and without the interpreter (the message names the fix).
     """
@@ -84,6 +93,8 @@ def run_packed(
         raise ValueError(f"unknown packed backend {backend!r}: use one of {', '.join(BACKENDS)}")
     n = token_ids.shape[0]
     positions = check_positions(positions, kvcache.cache_length(cache), n)
+    layers = len(model.get_decoder().layers)
+    lower = _lower_stage(positions, lower_rows, lower_layers, layers, kvcache.cache_length(cache), n)
     weight = next(model.parameters())
     attend, write = _backend(backend, positions, weight.device, weight.dtype, fused_scatter)
     target = cache if in_place else kvcache.from_tensors(kvcache.layer_tensors(cache))
@@ -93,12 +104,17 @@ def run_packed(
     # all layers in one engine call when its storage backs the cache
     engine = engine_for(model, target)
     blocks = engine.block_linears(int(positions.numel())) if backend == "sdpa" else None
-    if blocks is not None:
+    if blocks is not None and lower is None:
         logits = engine.refresh_rows(target, token_ids[positions], positions)
         if logits is not None:
             last = int(positions[-1]) == n - 1
             return target, ForwardResult(next_logits=logits if last else None, forwarded_tokens=int(positions.numel()))
-    hidden = packed_hidden_states(model, target, token_ids.to(weight.device)[pos][None], pos, attend, write, blocks)
+    hidden, forwarded = None, int(positions.numel())
+    if lower is not None:
+        hidden = _lower_hidden(model, target, token_ids, lower, lower_layers, positions, backend, fused_scatter)
+        forwarded += (int(lower.numel()) - forwarded) * lower_layers / layers
+    hidden = packed_hidden_states(model, target, token_ids.to(weight.device)[pos][None], pos, attend, write, blocks,
+                                  layers=range(lower_layers, layers), hidden=hidden)
     logits = None
     if int(positions[-1]) == n - 1:
         decoder = model.get_decoder()
@@ -108,7 +124,34 @@ def run_packed(
                 logits = blocks.head(last[0])[-1]
             else:
                 logits = model.get_output_embeddings()(last)[0, -1].float()
-    return target, ForwardResult(next_logits=logits, forwarded_tokens=int(positions.numel()))
+    return target, ForwardResult(next_logits=logits, forwarded_tokens=round(forwarded))
+
+
+def _lower_stage(positions: torch.Tensor, lower_rows, lower_layers: int, layers: int, held: int, n: int):
+    """The checked rows of the lower stage of a two-dimensional budget (None when there is none)."""
+    if isinstance(lower_layers, bool) or not isinstance(lower_layers, int) or not 0 <= lower_layers <= layers:
+        raise ValueError(f"lower_layers must be an int in [0, {layers}] (the model's layers), got {lower_layers!r}")
+    if not lower_layers:
+        return None
+    if lower_rows is None:
+        raise ValueError(f"lower_layers={lower_layers} needs lower_rows: the positions those layers recompute")
+    lower = check_positions(lower_rows, held, n)
+    if not set(positions.tolist()) <= set(lower.tolist()):
+        raise ValueError("every refreshed position must also be in lower_rows (the lower layers' rows are a superset)")
+    return lower
+
+
+def _lower_hidden(model, cache, token_ids, lower, lower_layers, positions, backend, fused_scatter) -> torch.Tensor:
+    """Layers ``[0, lower_layers)`` for every row of ``lower``, in place on ``cache``; returns the
+    hidden states of ``positions`` (a subset) at the input of layer ``lower_layers``."""
+    weight = next(model.parameters())
+    attend, write = _backend(backend, lower, weight.device, weight.dtype, fused_scatter)
+    pos = lower.to(weight.device)
+    blocks = engine_for(model, cache).block_linears(int(lower.numel())) if backend == "sdpa" else None
+    hidden = packed_hidden_states(model, cache, token_ids.to(weight.device)[pos][None], pos, attend, write, blocks,
+                                  layers=range(lower_layers))
+    keep = torch.searchsorted(lower, positions).to(weight.device)
+    return hidden[:, keep]
 
 
 def _backend(name: str, positions: torch.Tensor, device: torch.device, dtype: torch.dtype, fused_scatter: bool):
