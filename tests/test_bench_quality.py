@@ -64,3 +64,20 @@ def test_disjoint_runs_pool_into_one_report(tmp_path):
     assert not (pooled / "cases.jsonl").exists()  # the report points at the runs, it does not copy them
     with pytest.raises(SystemExit, match="repeats cases"):
         main(["bench", "quality", "--report-only", "--pool", f"{first},{first}", "--out", str(pooled)])
+
+
+def test_runs_of_other_methods_on_the_same_cases_merge_into_one_report(tmp_path):
+    first, second, merged = tmp_path / "a", tmp_path / "b", tmp_path / "merged"
+    assert main(ARGS[:-6] + ["--budgets", "5", "--allocators", "sur", "--max-new-tokens", "8", "--out", str(first)]) == 0
+    assert main(ARGS[:-6] + ["--budgets", "5", "--allocators", "sur", "--no-fixed", "--methods", "sur+lower2@5",
+                             "--max-new-tokens", "8", "--out", str(second)]) == 0
+    assert main(["bench", "quality", "--report-only", "--merge", f"{first},{second}", "--out", str(merged)]) == 0
+    summary = json.loads((merged / "summary.json").read_text())
+    assert summary["meta"]["n_cases"] == 2 and summary["meta"]["merged_from"] == [str(first), str(second)]
+    assert {"sur@5", "sur+lower2@5"} <= set(summary["by_group"]["niah-512"])
+    lines = (second / "cases.jsonl").read_text().splitlines()
+    record = json.loads(lines[0])
+    record["methods"][0]["answer"] += " (another model)"  # the shared Re-prefill reference now differs
+    (second / "cases.jsonl").write_text("\n".join([json.dumps(record)] + lines[1:]) + "\n")
+    with pytest.raises(SystemExit, match="answered differently"):
+        main(["bench", "quality", "--report-only", "--merge", f"{first},{second}", "--out", str(merged)])

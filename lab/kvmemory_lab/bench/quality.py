@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", default=None, metavar="DIR,DIR,...",
                         help="with --report-only: write one report into --out from the cases of these finished "
                              "runs (e.g. held-out seeds run apart); their cases must not overlap")
+    parser.add_argument("--merge", default=None, metavar="DIR,DIR,...",
+                        help="with --report-only: one report from runs of other methods on the same cases (the "
+                             "cases all of them finished); the references they share must have given the same answers")
 
 
 def _settings(args) -> dict:
@@ -292,6 +295,44 @@ def pool_runs(folders: list[Path]) -> tuple[list[dict], dict]:
     return records, meta
 
 
+def merge_runs(folders: list[Path]) -> tuple[list[dict], dict]:
+    """The cases every run in ``folders`` finished, each with the union of the runs' methods (a
+    method two runs share is kept from the first), and a config naming them (``merged_from``).
+
+    Raises:
+        SystemExit: a folder without cases, no case common to all, or a shared method whose answer
+            differs between runs on a case (the runs would not be comparable: another model,
+            seed or arithmetic)."""
+    runs = []
+    for folder in folders:
+        found = {r["case_id"]: r for r in load_records(folder / "cases.jsonl")}
+        if not found:
+            raise SystemExit(f"--merge: no finished cases in {folder / 'cases.jsonl'}")
+        runs.append(found)
+    common = [case for case in runs[0] if all(case in run for run in runs[1:])]
+    if not common:
+        raise SystemExit(f"--merge: no case is finished in all of {', '.join(map(str, folders))}: merge runs of the same cases")
+    records = []
+    for case in common:
+        merged = dict(runs[0][case], methods=[])
+        seen: dict[str, str] = {}
+        for run, folder in zip(runs, folders):
+            for row in run[case]["methods"]:
+                if row["method"] not in seen:
+                    seen[row["method"]] = row["answer"]
+                    merged["methods"].append(row)
+                elif seen[row["method"]] != row["answer"]:
+                    raise SystemExit(f"--merge: {row['method']} answered differently in {folder} on {case}: "
+                                     "these runs are not of the same model, seed and arithmetic")
+        records.append(merged)
+    configs = [json.loads((f / "config.json").read_text()) if (f / "config.json").is_file() else {} for f in folders]
+    methods = [m for c in configs for m in c.get("methods", [])]
+    meta = {**configs[0], "methods": list(dict.fromkeys(methods)), "merged_from": [str(f) for f in folders],
+            "allocators": list(dict.fromkeys(a for c in configs for a in c.get("allocators", []))),
+            "budgets": sorted({b for c in configs for b in c.get("budgets", [])})}
+    return records, meta
+
+
 def run(args, console) -> int:
     from tqdm import tqdm
 
@@ -308,6 +349,12 @@ def run(args, console) -> int:
     out = args.out or Path("benchmarks/results") / f"quality_{settings['task']}"
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "cases.jsonl"
+    if args.report_only and args.merge:
+        records, meta = merge_runs([Path(d) for d in args.merge.split(",") if d.strip()])
+        (out / "config.json").write_text(json.dumps(meta, indent=2))
+        summary = write_outputs(out, records, meta)
+        console.print(f"merged the methods of {len(meta['merged_from'])} runs on {summary['meta']['n_cases']} cases into {out}")
+        return 0
     if args.report_only and args.pool:
         records, meta = pool_runs([Path(d) for d in args.pool.split(",") if d.strip()])
         (out / "config.json").write_text(json.dumps(meta, indent=2))
