@@ -135,6 +135,15 @@ def repair(job: RepairJob) -> RepairResult:
     return RepairResult(done.cache, done.next_logits, _report(job, done), done.exact_rows)
 
 
+def check_policy_fits(policy: RepairPolicy, model) -> None:
+    """Raise InputError when ``policy`` asks more of ``model`` than it has (a two-dimensional
+    budget's ``lower_layers`` above its layer count)."""
+    layers = len(model.get_decoder().layers)
+    if policy.lower_layers > layers:
+        raise InputError(f"lower_layers={policy.lower_layers} but the model has {layers} layers: use 1 to {layers} "
+                         f"(lower{layers} recomputes every stale row in every layer, as Replay does)")
+
+
 def _check_inputs(job: RepairJob) -> None:
     rows = kvcache.cache_length(job.cache)
     if rows != len(job.cached_ids):
@@ -282,6 +291,7 @@ def _two_dimensional_refresh(job: RepairJob, B: int, intervals: list[tuple[int, 
     rows of ``intervals`` (the allowance B, new text, the last row) through every layer, in one
     packed traversal (see ``RepairPolicy``). Replays the suffix when the packed executor cannot run."""
     ids, plan, policy = job.ids, job.plan, job.policy
+    check_policy_fits(policy, job.model)
     choice = choose_executor("packed", len(intervals), job.model)
     if choice.name != "packed":
         return _replay(job).updated(fallback=f"two-dimensional budget: {choice.fallback}; Replay of the suffix")

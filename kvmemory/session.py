@@ -27,7 +27,7 @@ from .prompt import (
 )
 from .reforge.state import CacheView, ReforgeConfig, ReforgeReport, ReforgeState
 from .reforge.versions import AdapterState
-from .repair import RepairJob, RepairResult, repair
+from .repair import RepairJob, RepairResult, check_policy_fits, repair
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +305,7 @@ class KVSession:
         restored (an exact state of the last prompt). Raises what :meth:`prepare` raises before
         the repair starts."""
         policy = RepairPolicy.coerce(policy) if policy is not None else self.policy
+        check_policy_fits(policy, self.model)
         new_messages = normalize_messages(messages)
         erased = self._erased_keys(new_messages, erase if erase is not None else policy.erase, policy)
         if erased and policy.operator != "reprefill":

@@ -111,3 +111,7 @@ def test_real_model_two_dimensional_repair(real):
     assert report.recomputed_tokens == round(computed + (S - B) * 4 / layers)
     assert sur_report.recomputed_tokens < report.recomputed_tokens < full_report.recomputed_tokens
     assert report.executor == "packed-sdpa" and report.fallback is None
+    fork = base.fork()
+    with pytest.raises(InputError, match=f"the model has {layers} layers"):
+        fork.prepare(edited, policy=f"sur+lower{layers + 1}@5")
+    assert fork.token_ids == base.token_ids and fork.prepare(edited, policy="replay").recomputed_tokens  # nothing lost

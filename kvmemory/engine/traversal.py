@@ -22,12 +22,12 @@ def packed_hidden_states(model, cache, ids: torch.Tensor, pos: torch.Tensor, att
                          layers: range | None = None, hidden: torch.Tensor | None = None):
     """The packed traversal (eqs. 21-22): the B-row hidden-state buffer ``[1, B, hidden]`` after
     the last layer (before the final norm) for tokens ``ids`` ``[1, B]`` at positions ``pos``
-    ``[B]``. ``layers`` / ``hidden``: traverse only these consecutive layers, starting from the
-    rows' hidden states ``[1, B, hidden]`` at the input of the first (default: every layer, from
-    the token embeddings); the output is then the hidden states after the last of them. At each layer ``write(keys, values, k, v)`` stores the rows' fresh K/V in
+    ``[B]``. At each layer ``write(keys, values, k, v)`` stores the rows' fresh K/V in
     ``cache.layers[i]`` (anything with ``keys`` / ``values`` tensors ``[1, kv_heads, rows,
     head_dim]``), then ``attend(q, keys, values, scale)`` returns their attention output
-    ``[1, heads, B, head_dim]``. ``blocks``: the engine's block linears
+    ``[1, heads, B, head_dim]``. ``layers`` / ``hidden``: traverse only these consecutive layers,
+    from the rows' hidden states ``[1, B, hidden]`` at the input of the first (default: every
+    layer, from the token embeddings); the output is the hidden states after the last of them. ``blocks``: the engine's block linears
     (:meth:`kvmemory.engine.Engine.block_linears`) used instead of the modules' dense weights. Also
     the ``"cuda_graphs"`` engine's decode step (:mod:`kvmemory.engine.graphs`)."""
     decoder = model.get_decoder()
