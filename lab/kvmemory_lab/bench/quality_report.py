@@ -148,6 +148,12 @@ def _add_gold_in_answer(records: list[dict]) -> None:
             m["gold_in_answer"] = any(contains_gold(m["answer"], g) for g in r["gold"]) if qa else m["em"]
 
 
+def _group(record: dict) -> str:
+    """A case's report group: its dataset (NIAH: with the length), and the edit kind of an edit case."""
+    edit = record.get("meta", {}).get("edit")
+    return f"{record['dataset']}-{edit}" if edit else record["dataset"]
+
+
 def summarize(records: list[dict], meta: dict) -> dict:
     """summary.json: allocator → budget → metrics, the references, per-group EM and the bootstrap."""
     _add_gold_in_answer(records)
@@ -167,12 +173,12 @@ def summarize(records: list[dict], meta: dict) -> dict:
         else:
             summary[method] = agg
     by_group: dict = {}
-    for dataset in dict.fromkeys(r["dataset"] for r in records):
-        subset = [r for r in records if r["dataset"] == dataset]
-        by_group[dataset] = {}
+    for group in dict.fromkeys(map(_group, records)):
+        subset = [r for r in records if _group(r) == group]
+        by_group[group] = {}
         for m in _methods(subset):
             agg = aggregate(_rows(subset, m))
-            by_group[dataset][m] = {k: agg[k] for k in GROUP_METRICS} | {"n": len(subset)}
+            by_group[group][m] = {k: agg[k] for k in GROUP_METRICS} | {"n": len(subset)}
     summary["by_group"] = by_group
     summary["bootstrap"] = {"replicates": REPLICATES, "seed": SEED, "rows": bootstrap_table(records)}
     summary["detectors"] = detector_table(records)
