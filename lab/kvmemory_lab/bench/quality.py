@@ -349,17 +349,14 @@ def run(args, console) -> int:
     out = args.out or Path("benchmarks/results") / f"quality_{settings['task']}"
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "cases.jsonl"
-    if args.report_only and args.merge:
-        records, meta = merge_runs([Path(d) for d in args.merge.split(",") if d.strip()])
+    combine = merge_runs if args.merge else pool_runs if args.pool else None
+    if args.report_only and combine is not None:
+        folders = [Path(d) for d in (args.merge or args.pool).split(",") if d.strip()]
+        records, meta = combine(folders)
         (out / "config.json").write_text(json.dumps(meta, indent=2))
         summary = write_outputs(out, records, meta)
-        console.print(f"merged the methods of {len(meta['merged_from'])} runs on {summary['meta']['n_cases']} cases into {out}")
-        return 0
-    if args.report_only and args.pool:
-        records, meta = pool_runs([Path(d) for d in args.pool.split(",") if d.strip()])
-        (out / "config.json").write_text(json.dumps(meta, indent=2))
-        summary = write_outputs(out, records, meta)
-        console.print(f"pooled {summary['meta']['n_cases']} cases of {len(meta['pooled_from'])} runs into {out}")
+        how = "merged the methods of" if args.merge else "pooled the cases of"
+        console.print(f"{how} {len(folders)} runs into {out} ({summary['meta']['n_cases']} cases)")
         return 0
     if args.report_only:
         meta = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else settings
