@@ -24,7 +24,6 @@ from .engine import engine_for
 from .errors import InputError
 from .executors.sequential import run_sequential
 from .executors import ExecutorChoice, choose_executor, executor_label, run_refresh
-from .executors.packed import run_packed
 from .policy import RepairPolicy, RepairReport
 from .shift import RotaryShifter
 from .prompt import RenderedPrompt
@@ -266,9 +265,12 @@ def _sparse_refresh(job: RepairJob, B: int) -> Repaired:
     intervals = to_intervals(sorted(set(plan.new_positions) | set(selected)))
     if not intervals or intervals[-1][1] != ids.shape[0]:
         intervals = to_intervals(sorted(set(plan.new_positions) | set(selected) | {ids.shape[0] - 1}))
+    # a two-dimensional budget (lower_layers) runs on the packed executor only; elsewhere: Replay
+    choice = choose_executor("packed" if policy.lower_layers else policy.executor, len(intervals), job.model)
     if policy.lower_layers:
-        return _two_dimensional_refresh(job, B, intervals, selection_ms, probe_ms)
-    choice = choose_executor(policy.executor, len(intervals), job.model)
+        check_policy_fits(policy, job.model)
+        if choice.name != "packed":
+            return _replay(job).updated(fallback=f"two-dimensional budget: {choice.fallback}; Replay of the suffix")
 
     t1 = time.perf_counter()
     # packed and direct write rows in place: give them all N rows at once (placeholders included)
@@ -277,36 +279,15 @@ def _sparse_refresh(job: RepairJob, B: int) -> Repaired:
     shift_ms = _ms(t1)
 
     t2 = time.perf_counter()
-    out = run_refresh(job.model, shifted, ids, intervals, choice, policy.backend)
+    # the lower layers recompute every stale suffix row besides the rows of the intervals
+    lower = sorted(set(plan.suffix_positions).union(*(range(a, b) for a, b in intervals))) if policy.lower_layers else None
+    out = run_refresh(job.model, shifted, ids, intervals, choice, policy.backend, lower_rows=lower,
+                      lower_layers=policy.lower_layers)
     return Repaired(shifted, out.next_logits, plan.exact_prefix, dict(
         reused_tokens=ids.shape[0] - out.forwarded_tokens, recomputed_tokens=out.forwarded_tokens, refreshed_tokens=B,
         shifted_tokens=shifted_tokens, spans=intervals, executor=executor_label(choice, policy.backend),
         executor_fallback=choice.fallback, selection_ms=selection_ms, shift_ms=shift_ms, refresh_ms=_ms(t2),
         replayed_probe_ms=probe_ms))
-
-
-def _two_dimensional_refresh(job: RepairJob, B: int, intervals: list[tuple[int, int]], selection_ms: float,
-                             probe_ms: float) -> Repaired:
-    """Shift, then every stale suffix row through the first ``policy.lower_layers`` layers and the
-    rows of ``intervals`` (the allowance B, new text, the last row) through every layer, in one
-    packed traversal (see ``RepairPolicy``). Replays the suffix when the packed executor cannot run."""
-    ids, plan, policy = job.ids, job.plan, job.policy
-    check_policy_fits(policy, job.model)
-    choice = choose_executor("packed", len(intervals), job.model)
-    if choice.name != "packed":
-        return _replay(job).updated(fallback=f"two-dimensional budget: {choice.fallback}; Replay of the suffix")
-    t1 = time.perf_counter()
-    shifted, shifted_tokens = _shift(job, plan.source_rows(ids.shape[0]))
-    shift_ms = _ms(t1)
-    t2 = time.perf_counter()
-    positions = torch.cat([torch.arange(a, b) for a, b in intervals])
-    lower = torch.tensor(sorted(set(plan.suffix_positions) | set(positions.tolist())), dtype=torch.long)
-    _, out = run_packed(job.model, shifted, ids, positions, backend=policy.backend, in_place=True, lower_rows=lower,
-                        lower_layers=policy.lower_layers)
-    return Repaired(shifted, out.next_logits, plan.exact_prefix, dict(
-        reused_tokens=ids.shape[0] - out.forwarded_tokens, recomputed_tokens=out.forwarded_tokens, refreshed_tokens=B,
-        shifted_tokens=shifted_tokens, spans=intervals, executor=executor_label(choice, policy.backend),
-        selection_ms=selection_ms, shift_ms=shift_ms, refresh_ms=_ms(t2), replayed_probe_ms=probe_ms))
 
 
 def _adaptive_refresh(job: RepairJob) -> Repaired:

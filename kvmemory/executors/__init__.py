@@ -65,15 +65,24 @@ def run_refresh(
     intervals: list[tuple[int, int]],
     choice: ExecutorChoice,
     backend: str = "sdpa",
+    lower_rows=None,
+    lower_layers: int = 0,
 ) -> ForwardResult:
     """Compute the rows of ``intervals`` with the chosen executor, in place on ``cache``.
 
     Args / errors as :func:`kvmemory.executors.sequential.run_sequential`; ``backend`` selects the packed
-    executor's attention (``"sdpa"`` or ``"triton"``, see :func:`kvmemory.executors.packed.run_packed`).
+    executor's attention (``"sdpa"`` or ``"triton"``), ``lower_rows`` / ``lower_layers`` its
+    two-dimensional budget (see :func:`kvmemory.executors.packed.run_packed`; packed only).
+
+    Raises:
+        ValueError: also a two-dimensional budget for another executor than packed.
     """
+    if lower_layers and choice.name != "packed":
+        raise ValueError(f"a two-dimensional budget (lower_layers) needs the packed executor, not {choice.name}")
     if choice.name == "packed":
         positions = torch.cat([torch.arange(a, b) for a, b in intervals])
-        _, result = run_packed(model, cache, token_ids, positions, backend=backend, in_place=True)
+        _, result = run_packed(model, cache, token_ids, positions, backend=backend, in_place=True,
+                               lower_rows=lower_rows, lower_layers=lower_layers)
         return result
     if choice.name == "direct":
         return run_direct(model, cache, token_ids, intervals)

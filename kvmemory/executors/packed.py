@@ -91,10 +91,10 @@ def run_packed(
         raise PackedUnsupportedError(reason)
     if backend not in BACKENDS:
         raise ValueError(f"unknown packed backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    n = token_ids.shape[0]
-    positions = check_positions(positions, kvcache.cache_length(cache), n)
+    n, held = token_ids.shape[0], kvcache.cache_length(cache)
+    positions = check_positions(positions, held, n)
     layers = len(model.get_decoder().layers)
-    lower = _lower_stage(positions, lower_rows, lower_layers, layers, kvcache.cache_length(cache), n)
+    lower = _lower_stage(positions, lower_rows, lower_layers, layers, held, n)
     weight = next(model.parameters())
     attend, write = _backend(backend, positions, weight.device, weight.dtype, fused_scatter)
     target = cache if in_place else kvcache.from_tensors(kvcache.layer_tensors(cache))
