@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator, model_validator
 
 from .errors import InputError, InputTypeError, reject_unknown_names
-from .selection import ALLOCATOR_NAMES
+from .selection import KNOWN_ALLOCATORS
 
 Operator = Literal["refresh", "shift", "replay", "reprefill", "dirty"]
 Executor = Literal["auto", "packed", "sequential", "direct"]
@@ -147,8 +147,8 @@ class RepairPolicy(Settings):
     @field_validator("allocator")
     @classmethod
     def _known_allocator(cls, value: str) -> str:
-        if value not in ALLOCATOR_NAMES:
-            raise ValueError(f"unknown allocator {value!r}: use one of {', '.join(sorted(ALLOCATOR_NAMES))}")
+        if value not in KNOWN_ALLOCATORS:
+            raise ValueError(f"unknown allocator {value!r}: use one of {', '.join(sorted(KNOWN_ALLOCATORS))}")
         return value
 
     @model_validator(mode="after")

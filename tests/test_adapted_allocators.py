@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import kvmemory.repair as repair_module
-from kvmemory.selection import ALLOCATOR_NAMES, PRIVILEGED, SIGNAL_ALLOCATORS, allowance, select, top_b
+from kvmemory.selection import (ALLOCATOR_NAMES, EXTENSION_ALLOCATORS, KNOWN_ALLOCATORS, PRIVILEGED, SIGNAL_ALLOCATORS,
+                                allowance, select, top_b)
 from kvmemory.selection.adapted import legolink, low_pass, smooth_spans, span_support
 from kvmemory.session import KVSession
 from support import QUERY, history, tiny_model, without
@@ -30,7 +31,7 @@ def _check_all(model, tokenizer, recorded, budgets):
     base = KVSession(model, tokenizer)
     base.prepare(history())
     edited = without(history(), "t2") + [QUERY]
-    for name in ALLOCATOR_NAMES:
+    for name in KNOWN_ALLOCATORS:
         for b in budgets:
             report = base.fork().prepare(edited, policy=f"{name}@{b}")
             name_, B, eligible, positions = recorded[-1]
@@ -58,7 +59,8 @@ def test_every_allocator_spends_exactly_the_allowance_real(real, recorded):
 def test_registry_and_privileged_flag():
     assert len(ALLOCATOR_NAMES) == 14 and len(set(ALLOCATOR_NAMES)) == 14
     assert ALLOCATOR_NAMES[:5] == ("sur", "dense", "window", "bm25", "random")
-    assert PRIVILEGED == {"oracle"} and set(SIGNAL_ALLOCATORS) <= set(ALLOCATOR_NAMES)
+    assert PRIVILEGED == {"oracle"} and set(SIGNAL_ALLOCATORS) <= set(KNOWN_ALLOCATORS)
+    assert EXTENSION_ALLOCATORS == ("exposure",) and KNOWN_ALLOCATORS == (*ALLOCATOR_NAMES, "exposure")
 
 
 def test_top_b_breaks_ties_by_earlier_position():
@@ -137,7 +139,7 @@ def test_shared_signals_reuse_probes_and_charge_their_time(tokenizer, recorded):
                 if name != "legolink":  # the one signal allocator that reads geometry only, no probe
                     assert second.replayed_probe_ms > 0, name
                 assert repeat_calls <= alone[name][1], name
-                if name not in ("legolink", "cachetune"):  # the others' probes are model forwards
+                if name not in ("legolink", "cachetune", "exposure"):  # the others' probes are model forwards
                     assert repeat_calls < alone[name][1], name
                 assert second.selection_ms >= second.replayed_probe_ms and second.latency_ms >= second.selection_ms
         other = base.fork().prepare(without(history(), "t3") + [QUERY], policy="oracle@20")

@@ -5,8 +5,8 @@
     intervals = to_intervals(positions)               # execution intervals
 """
 
-from .allocators import (ALLOCATOR_NAMES, ALLOCATOR_TITLES, ALLOCATORS, PRIVILEGED, SIGNAL_ALLOCATORS, SelectionError,
-                         SelectionOptions, select)
+from .allocators import (ALLOCATOR_NAMES, ALLOCATOR_TITLES, ALLOCATORS, EXTENSION_ALLOCATORS, KNOWN_ALLOCATORS, PRIVILEGED,
+                         SIGNAL_ALLOCATORS, SelectionError, SelectionOptions, select)
 from .bm25 import bm25_unit_scores, lexical_terms
 from .budget import allowance
 from .inputs import MessageSpan, SelectionInput, validate_input
@@ -21,6 +21,8 @@ __all__ = [
     "ALLOCATOR_NAMES",
     "ALLOCATOR_TITLES",
     "ALLOCATORS",
+    "EXTENSION_ALLOCATORS",
+    "KNOWN_ALLOCATORS",
     "PRIVILEGED",
     "RepairSignals",
     "shared_signals",

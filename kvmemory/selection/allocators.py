@@ -19,7 +19,7 @@ from .adapted import a3, cacheblend, cachecraft, cachetune, infoflow, legolink, 
 from .bm25 import bm25_unit_scores
 from .inputs import SelectionInput, validate_input
 from .relevance import relevance_scores, unit_idf
-from .signals import RepairSignals
+from .signals import RepairSignals, top_b
 from .unit_allocator import admit_units, allocate_units
 from .units import Unit, build_units
 
@@ -120,6 +120,17 @@ SIGNAL_ALLOCATORS: dict[str, SignalAllocator] = {
     "oracle": oracle,
 }
 ALLOCATOR_NAMES: tuple[str, ...] = (*ALLOCATORS, *SIGNAL_ALLOCATORS)  # the 14 of Appendix 7.4, in its order
+
+
+def _exposure(inp: SelectionInput, budget: int, signals: RepairSignals, seed: int) -> list[int]:
+    """B positions with the most estimated attention on the removed rows (our extension;
+    :mod:`.exposure`). Selection cost: no forward, attention logits at three layers."""
+    return top_b(signals.removed_exposure().tolist(), inp.eligible, budget)
+
+
+EXTENSION_ALLOCATORS: tuple[str, ...] = ("exposure",)  # beyond the paper; SUR stays the reference
+SIGNAL_ALLOCATORS["exposure"] = _exposure
+KNOWN_ALLOCATORS: tuple[str, ...] = (*ALLOCATOR_NAMES, *EXTENSION_ALLOCATORS)
 PRIVILEGED = frozenset({"oracle"})  # needs a full clean recomputation to select (Appendix 7.4)
 ALLOCATOR_TITLES = {
     "sur": "SUR", "dense": "Dense tokens (same score)", "window": "Max-relevance contiguous",
@@ -127,6 +138,7 @@ ALLOCATOR_TITLES = {
     "infoflow": "InfoFlow-Motivated", "cachecraft": "Cache-Craft-Adapted", "cacheblend": "CacheBlend-Adapted",
     "a3": "A3-Adapted", "legolink": "LegoLink-Adapted", "cachetune": "CacheTune-Adapted",
     "speccache": "SpecCache-Adapted (aux = embedded model)", "oracle": "Clean-state oracle (privileged)",
+    "exposure": "Exposure to the removed rows (our extension)",
 }
 
 
@@ -152,7 +164,8 @@ def select(
     Args:
         name: "sur" (Semantic-Unit Refresh), "dense" (top-B tokens), "window" (max-relevance
             contiguous), "bm25" (BM25 on the same units), "random" (random semantic units), or
-            one of the signal allocators of :data:`SIGNAL_ALLOCATORS` (see ALLOCATOR_TITLES).
+            one of the signal allocators of :data:`SIGNAL_ALLOCATORS` (see ALLOCATOR_TITLES), which
+            include "exposure" (our extension, :mod:`.exposure`).
         inp: the edited prompt; S = len(inp.eligible).
         B: allowance in tokens, 0 <= B <= S (see ``allowance``).
         embedding: the model's input embedding table [V, H]; required by sur, dense and window.
@@ -175,8 +188,8 @@ def select(
     and oracle), §7.1
     (every allocator receives the same exact allowance).
     """
-    if name not in ALLOCATOR_NAMES:
-        raise ValueError(f"unknown allocator {name!r}: use one of {', '.join(ALLOCATOR_NAMES)}")
+    if name not in KNOWN_ALLOCATORS:
+        raise ValueError(f"unknown allocator {name!r}: use one of {', '.join(KNOWN_ALLOCATORS)}")
     S = len(inp.eligible)
     if isinstance(B, bool) or not isinstance(B, int) or not 0 <= B <= S:
         raise ValueError(f"B must be an int in [0, S={S}] (compute it with allowance(S, budget)), got {B!r}")

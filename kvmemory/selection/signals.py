@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 from .. import kvcache
 from ..edits import ReuseRun
+from .exposure import removed_exposure
 
 SHALLOW_LAYERS = 2  # CacheBlend / A3: "fresh two-layer edited prefill", layer 1 is read
 
@@ -176,6 +177,13 @@ class RepairSignals:
         rows = {run.new_start + k: run.old_start + k for run in self.reuse for k in range(run.length)}
         return [rows[p] for p in self.eligible]
 
+    def removed_rows(self) -> list[int]:
+        """Dirty rows the edit removed: rows from the exact prefix to the last stale row's old row
+        that no stale row keeps."""
+        old_rows = self.old_rows()
+        kept = set(old_rows)
+        return [r for r in range(self.exact_prefix, old_rows[-1] + 1) if r not in kept]
+
     def _once(self, key: str, compute: Callable[[], object] | None):
         """The probe ``key``: memoised per repair, and shared across repairs inside
         :func:`shared_signals` (``compute`` may be None only for a probe known to be shared)."""
@@ -297,8 +305,7 @@ class RepairSignals:
         def compute():
             old_rows = self.old_rows()
             first, last = old_rows[0], old_rows[-1] + 1
-            kept = set(old_rows)
-            deleted = torch.as_tensor([r for r in range(self.exact_prefix, last) if r not in kept], dtype=torch.long)
+            deleted = torch.as_tensor(self.removed_rows(), dtype=torch.long)
             mass = torch.zeros(last - first)
             offset = [first]
             n_layers = len(decoder_layers(self.model))
@@ -317,6 +324,14 @@ class RepairSignals:
             return mass[torch.as_tensor(old_rows) - first]
 
         return self._once("deleted_key_attention", compute)
+
+    def removed_exposure(self) -> torch.Tensor:
+        """Each stale row's estimated attention mass on the removed rows, from the dirty cache
+        alone (:func:`kvmemory.selection.exposure.removed_exposure`). ``[S]`` fp32."""
+        def compute():
+            return removed_exposure(self.model, self.dirty_cache, self.old_rows(), self.removed_rows(), self.shifter)
+
+        return self._once("removed_exposure", compute)
 
     # --------------------------------------------------------- hidden states
     def hidden_norms(self, fraction: float = 1 / 3) -> torch.Tensor:

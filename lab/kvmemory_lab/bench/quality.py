@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kvmemory.policy import RepairPolicy
-from kvmemory.selection import ALLOCATOR_NAMES, allowance, shared_signals
+from kvmemory.selection import ALLOCATOR_NAMES, KNOWN_ALLOCATORS, allowance, shared_signals
 from kvmemory.session import KVSession
 
 from ..demo_cases import default_data_dir
@@ -98,9 +98,9 @@ def _settings(args) -> dict:
         allocators = list(ALLOCATOR_NAMES)
     else:
         allocators = [a.strip() for a in args.allocators.split(",") if a.strip()]
-    unknown = [a for a in allocators if a.split("+")[0] not in ALLOCATOR_NAMES]
+    unknown = [a for a in allocators if a.split("+")[0] not in KNOWN_ALLOCATORS]
     if unknown:
-        raise SystemExit(f"unknown allocator(s) {', '.join(unknown)}: use {', '.join(ALLOCATOR_NAMES)} or 'all'")
+        raise SystemExit(f"unknown allocator(s) {', '.join(unknown)}: use {', '.join(KNOWN_ALLOCATORS)} or 'all'")
     methods = [m.strip() for m in getattr(args, "methods", "").split(",") if m.strip()]
     for label in methods + [f"{a}@5" for a in allocators]:
         try:
