@@ -53,7 +53,8 @@ class RepairJob:
     RepairPolicy or its label (coerced here). ``query_ids`` / ``query_text``: the last message,
     which query-aware allocators score against. ``new_cache`` makes the empty cache a Re-prefill
     fills (default: ``kvcache.new_cache(model.config)``), so that a session on a quantized cache
-    stays on one. ``last_logits``: fp32 ``[vocab]`` logits predicting the token after the cache's
+    stays on one. ``calibration_ids``: the exposure allocator's calibration text under the
+    model's tokenizer (see :class:`kvmemory.selection.RepairSignals`). ``last_logits``: fp32 ``[vocab]`` logits predicting the token after the cache's
     last row, when the caller knows them (None: unknown); a request identical to the cache then
     needs no forward at all. ``ids``: ``new.token_ids`` as a LongTensor ``[N]``.
 
@@ -73,6 +74,7 @@ class RepairJob:
     query_text: str
     new_cache: Callable[[], Cache] | None = None
     last_logits: torch.Tensor | None = None
+    calibration_ids: Callable[[], list[int]] | None = None
     ids: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -361,7 +363,7 @@ def _signals(job: RepairJob) -> RepairSignals | None:
     return RepairSignals(
         model=job.model, token_ids=job.new.token_ids, eligible=_eligible(plan), old_ids=job.cached_ids,
         dirty_cache=cache, reuse=plan.reuse, exact_prefix=plan.kept_prefix, make_shift_cache=shift_cache,
-        shifter=job.shifter,
+        shifter=job.shifter, calibration_ids=job.calibration_ids,
     )
 
 

@@ -28,6 +28,7 @@ from .prompt import (
 from .reforge.state import CacheView, ReforgeConfig, ReforgeReport, ReforgeState
 from .reforge.versions import AdapterState
 from .repair import RepairJob, RepairResult, check_policy_fits, repair
+from .selection.exposure import CALIBRATION_TEXT
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +331,7 @@ class KVSession:
             query_text=query,
             new_cache=self._new_cache,
             last_logits=None if erased else self._logits_after_cache(),
+            calibration_ids=lambda: self.tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"],
         )
         return _RequestPlan(job, erased, adapter, template_fallback, maintenance, dropped, restored)
 

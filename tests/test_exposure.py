@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvmemory import kvcache
-from kvmemory.selection.exposure import probe_layers, removed_exposure
+from kvmemory.selection.exposure import CALIBRATION_TEXT, fit_query_predictors, probe_layers, removed_exposure
 from kvmemory.selection.signals import capture_attention, eager_attention, forward_at
 from kvmemory.session import KVSession
 from kvmemory.shift import RotaryShifter
@@ -24,6 +24,10 @@ def _true_exposure(model, ids, old_rows, removed, layer) -> torch.Tensor:
     return weights[:, old_rows][..., removed].sum(dim=-1).mean(dim=0)
 
 
+def _calibration(tokenizer) -> list[int]:
+    return tokenizer(CALIBRATION_TEXT, add_special_tokens=False)["input_ids"]
+
+
 def _dirty(model, tokenizer):
     session = KVSession(model, tokenizer)
     session.prepare(history())
@@ -34,14 +38,14 @@ def _dirty(model, tokenizer):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_estimate_is_exact_when_keys_and_values_determine_the_state(family, tokenizer):
-    # tiny models: 2 KV heads x 16 dims for K and for V = 64 rows = the hidden size, so the
-    # cached K/V determine the normalised hidden state and the estimated query is the query
+def test_estimate_is_the_attention_when_keys_and_values_determine_the_state(family, tokenizer):
+    # tiny models: 2 KV heads x 16 dims for K and for V = 64 = the hidden size, so the query is a
+    # linear function of the cached K/V and the fitted predictor recovers it (up to the ridge)
     model = tiny_model(family)
     session, removed, old_rows = _dirty(model, tokenizer)
     shifter = RotaryShifter(model)
     for layer in (0, 1):
-        est = removed_exposure(model, session.cache, old_rows, removed, shifter, layers=[layer])
+        est = removed_exposure(model, session.cache, old_rows, removed, shifter, _calibration(tokenizer), layers=[layer])
         true = _true_exposure(model, session.token_ids, old_rows, removed, layer)
         assert torch.allclose(est, true, atol=2e-4), (family, layer, (est - true).abs().max())
     assert float(est.sum()) > 0
@@ -50,12 +54,21 @@ def test_estimate_is_exact_when_keys_and_values_determine_the_state(family, toke
 def test_without_removed_rows_every_score_is_zero(tokenizer):
     model = tiny_model("llama")
     session, _, old_rows = _dirty(model, tokenizer)
-    assert removed_exposure(model, session.cache, old_rows, [], RotaryShifter(model)).abs().sum() == 0
+    assert removed_exposure(model, session.cache, old_rows, [], RotaryShifter(model), [1, 2]).abs().sum() == 0
 
 
 def test_a_model_without_rotary_keys_is_refused():
     with pytest.raises(ValueError, match="use sur"):
-        removed_exposure(tiny_model("llama"), None, [1], [0], None)
+        removed_exposure(tiny_model("llama"), None, [1], [0], None, [1, 2])
+
+
+def test_the_query_predictor_is_fitted_once_per_model_and_text(tokenizer):
+    model = tiny_model("qwen3")  # q_norm / k_norm: the predictor maps the normalised keys
+    ids = _calibration(tokenizer)
+    first = fit_query_predictors(model, ids, (0, 1))
+    assert fit_query_predictors(model, ids, (0, 1)) is first
+    assert fit_query_predictors(model, ids[:50], (0, 1)) is not first
+    assert first[1].shape == (2 * 2 * 16 + 1, 4 * 16)
 
 
 def test_probe_layers_sit_at_quarter_depths():
@@ -70,7 +83,8 @@ def test_estimate_ranks_rows_as_the_true_attention_on_the_real_model(real):
     shifter = RotaryShifter(real.model)
     k = len(old_rows) // 10
     for layer in probe_layers(real.model.config.num_hidden_layers):
-        est = removed_exposure(real.model, session.cache, old_rows, removed, shifter, layers=[layer])
+        est = removed_exposure(real.model, session.cache, old_rows, removed, shifter, _calibration(real.tokenizer),
+                               layers=[layer])
         true = _true_exposure(real.model, session.token_ids, old_rows, removed, layer)
         overlap = len(set(est.topk(k).indices.tolist()) & set(true.topk(k).indices.tolist())) / k
         assert overlap >= 0.5, (layer, overlap)

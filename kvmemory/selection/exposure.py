@@ -6,14 +6,14 @@ dirty suffix, which costs more than Replay. On Qwen2.5-0.5B Erasing-NIAH the row
 hold most of the clean-state oracle's K/V deviation, where SUR's do not
 (``benchmarks/results/oracle_row_overlap/``).
 
-This module estimates the same attention without a forward and without retained state. A
-row's key and value at layer l are linear in its normalised hidden state x
-(``k = R_p (W_k x + b_k)``, ``v = W_v x + b_v``), so the cached K/V pin down x's component in
-the row space of ``[W_k; W_v]``. The query estimated from that component,
-``q̂ = W_q x̂ + b_q`` with ``x̂ = pinv([W_k; W_v]) ([R_p⁻¹ k; v] − b)``, attends over the dirty
-cache's keys of that layer, and the score is the mass on the removed rows, averaged over heads
-and the probed layers. Cost: per probed layer, one least-squares solve on the projection weights
-and ``S × N`` attention logits per head; no decoder layer runs.
+This module estimates the same attention without a forward over the prompt. A row's cached key
+and value at layer l are functions of its normalised hidden state, and so is its query: the
+query is predicted from ``[k; v]`` (key un-rotated) by a linear map fitted once per model and
+layer (ridge regression on a fixed calibration text, :data:`CALIBRATION_TEXT`, a forward of
+about 400 tokens through the probed layers). The predicted query, rotated to the row's old
+position, attends over the dirty cache's keys of that layer; the score is the mass on the
+removed rows, averaged over heads and the probed layers. Per repair: ``S × N`` attention logits
+per head and probed layer; no decoder layer runs.
 
 It is a selector: it chooses which rows the exact refresh recomputes; a poor estimate costs
 fidelity, never exactness of the rows refreshed.
@@ -21,11 +21,50 @@ fidelity, never exactness of the rows refreshed.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Sequence
 
 import torch
 
 ROW_BLOCK = 256  # stale rows per attention block (bounds the [heads, block, N] logits)
+RIDGE = 0.1  # ridge penalty, relative to the mean squared feature (~550 calibration rows, 250-400 features)
+
+# Neutral text of the kinds an agent's history holds (prose, a tool result, numbers, code); its
+# only use is to fit the query predictor, so it must be fixed (the same fit on every run).
+CALIBRATION_TEXT = """The committee met on Tuesday to review the quarterly report. Revenue rose by 4.2 percent,
+while costs fell slightly after the new supplier contract took effect in March. Several members
+asked why the northern office had missed its hiring target, and the manager explained that two
+candidates had declined offers at the last minute. The discussion then turned to the budget for
+next year, which will include a modest increase for training and a new line for cloud services.
+<tool_response>
+{"city": "Lisbon", "temperature_c": 18, "humidity": 0.71, "forecast": ["rain", "clouds", "sun"]}
+</tool_response>
+Question: which of the two rivers is longer, and by how many kilometres? Answer briefly.
+The Douro is about 897 km long and the Tagus about 1,007 km, so the Tagus is longer by 110 km.
+def mean(values):
+    total = sum(values)
+    return total / len(values) if values else 0.0
+In the spring the garden fills with tulips, and the old apple tree at the far end of the lawn
+blossoms for a week before the petals cover the path. My grandmother kept bees there for thirty
+years; she said they were calmer than people and far better at keeping accounts. The special code
+for the archive room is 7342, written on a card taped inside the first drawer of the desk.
+<tool_response>
+Search results for "battery recycling": 1. A 2023 survey found that fewer than half of used
+lithium cells are collected. 2. Smelting recovers cobalt and nickel but loses most lithium.
+3. Direct recycling keeps the cathode structure intact and uses far less energy.
+</tool_response>
+User: Summarise the three results in one sentence, then list two open questions.
+Assistant: Most used cells are never collected, and of the two recovery routes, smelting wastes
+lithium while direct recycling saves energy. Open questions: how to raise collection rates, and
+whether direct recycling scales to mixed chemistries.
+SELECT name, COUNT(*) AS orders FROM customers JOIN orders ON orders.customer_id = customers.id
+GROUP BY name ORDER BY orders DESC LIMIT 10;
+The ship left the harbour at dawn. By noon the wind had turned, and the captain ordered the crew
+to reef the mainsail; the passengers, who had been promised a calm crossing, gathered below and
+played cards until the lights of the island appeared on the horizon shortly after nine."""
+
+_FITS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
 def probe_layers(num_layers: int) -> tuple[int, ...]:
@@ -34,39 +73,59 @@ def probe_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(num_layers - 1, (num_layers * k) // 4) for k in (1, 2, 3)}))
 
 
-def _affine(linear: torch.nn.Module, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W ``[out, width]``, b ``[out]``) of an affine module, read by calling it (works for LoRA
-    wrappers and for engines that keep the weight in their own blocks)."""
-    with torch.no_grad():
-        param = next(linear.parameters(), None)
-        dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
-        probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype)
-        out = linear(probe).float()
-    return (out[1:] - out[:1]).T, out[0]
+def _dims(config) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_attention_heads, config.num_key_value_heads, head_dim
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def _projections(attention, x: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pre-rotary q ``[n, H·D]``, k ``[n, KVH·D]`` (after q_norm / k_norm where the layer has
+    them, as cached) and v ``[n, KVH·D]`` of normalised hidden states ``x`` ``[n, hidden]``."""
+    H, KVH, D = _dims(config)
+    n = x.shape[0]
+    q = attention.q_proj(x).view(n, H, D)
+    k = attention.k_proj(x).view(n, KVH, D)
+    if getattr(attention, "q_norm", None) is not None:
+        q, k = attention.q_norm(q), attention.k_norm(k)
+    return q.reshape(n, -1).float(), k.reshape(n, -1).float(), attention.v_proj(x).reshape(n, -1).float()
 
 
-def query_estimator(attention: torch.nn.Module, config) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The map from a row's un-rotated ``[k; v]`` (``[2·KVH·D]``) to its estimated pre-rotary
-    query (``[H·D]``): ``q̂ = M [k; v] + c``. Returns ``(M, c, uses_keys)``; keys are left out
-    (``uses_keys`` False) when the layer normalises them (``k_norm``: not linear in x)."""
-    width = config.hidden_size
-    wq, bq = _affine(attention.q_proj, width)
-    wk, bk = _affine(attention.k_proj, width)
-    wv, bv = _affine(attention.v_proj, width)
-    uses_keys = getattr(attention, "k_norm", None) is None
-    w = torch.cat([wk, wv]) if uses_keys else wv
-    b = torch.cat([bk, bv]) if uses_keys else bv
-    pinv = torch.linalg.pinv(w)  # [width, rows of w]
-    M = wq @ pinv
-    return M, bq - M @ b, uses_keys
+def fit_query_predictors(model, token_ids: Sequence[int], layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """Per layer, ``A`` ``[2·KVH·D + 1, H·D]`` with ``q ≈ [k; v; 1] A`` (ridge regression over the
+    rows of one forward of ``token_ids``, stopped after the last probed layer). Memoised per model,
+    layers and ids; an adapter update keeps the old fit (a selection estimate only)."""
+    key = (tuple(layers), tuple(token_ids))
+    fits = _FITS.setdefault(model, {})
+    if key in fits:
+        return fits[key]
+    from .signals import _StopForward, decoder_layers, stop_after  # signals imports this module
+
+    decoder, states = decoder_layers(model), {}
+    handles = [decoder[l].self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs, l=l: states.__setitem__(l, (args[0] if args else kwargs["hidden_states"])[0]),
+        with_kwargs=True) for l in layers]
+    try:
+        with torch.no_grad(), stop_after(model, max(layers) + 1), contextlib.suppress(_StopForward):
+            model(input_ids=torch.as_tensor([list(token_ids)]), use_cache=False)
+        config = model.config.get_text_config()
+        out = {}
+        for l in layers:
+            with torch.no_grad():
+                q, k, v = _projections(decoder[l].self_attn, states[l], config)
+            features = torch.cat([k, v, torch.ones(len(k), 1)], dim=1)
+            gram = features.T @ features
+            gram += RIDGE * features.square().mean() * torch.eye(len(gram))
+            out[l] = torch.linalg.solve(gram, features.T @ q)
+    finally:
+        for h in handles:
+            h.remove()
+    fits[key] = out
+    return out
 
 
 def removed_exposure(model, cache, old_rows: Sequence[int], removed: Sequence[int], shifter,
-                     layers: Sequence[int] | None = None) -> torch.Tensor:
+                     calibration_ids: Sequence[int], layers: Sequence[int] | None = None) -> torch.Tensor:
     """Estimated attention mass of each stale row on the removed rows, ``[S]`` fp32 in [0, 1].
 
     Args:
@@ -75,6 +134,8 @@ def removed_exposure(model, cache, old_rows: Sequence[int], removed: Sequence[in
         old_rows: the dirty row of each stale row, ``S`` strictly increasing ints.
         removed: dirty rows the edit removed (not kept in the new prompt).
         shifter: the model's :class:`kvmemory.shift.RotaryShifter` (rotates keys and queries).
+        calibration_ids: the tokens the query predictor is fitted on (:data:`CALIBRATION_TEXT`
+            tokenized by the model's tokenizer; :func:`fit_query_predictors`).
         layers: decoder layers to probe (default :func:`probe_layers`).
 
     Raises:
@@ -85,36 +146,33 @@ def removed_exposure(model, cache, old_rows: Sequence[int], removed: Sequence[in
     S = len(old_rows)
     if not len(removed) or not S:
         return torch.zeros(S)
-    config = model.config.get_text_config()
     decoder = model.get_decoder().layers
-    layers = probe_layers(len(decoder)) if layers is None else layers
+    layers = probe_layers(len(decoder)) if layers is None else tuple(layers)
+    fits = fit_query_predictors(model, calibration_ids, layers)
+    config = model.config.get_text_config()
     rows = torch.as_tensor(list(old_rows), dtype=torch.long)
     gone = torch.as_tensor(list(removed), dtype=torch.long)
     total = torch.zeros(S)
     for layer in layers:
-        total += _layer_exposure(decoder[layer].self_attn, config, cache.layers[layer], rows, gone, shifter,
-                                 shifter.layer_type(layer))
+        scale = getattr(decoder[layer].self_attn, "scaling", None)
+        total += _layer_exposure(fits[layer], config, cache.layers[layer], rows, gone, shifter,
+                                 shifter.layer_type(layer), scale)
     return total / len(layers)
 
 
-def _layer_exposure(attention, config, cached, rows, gone, shifter, kind) -> torch.Tensor:
-    H, KVH, D = config.num_attention_heads, config.num_key_value_heads, _head_dim(config)
+def _layer_exposure(predictor, config, cached, rows, gone, shifter, kind, scale) -> torch.Tensor:
+    H, KVH, D = _dims(config)
     last = int(rows[-1]) + 1
     keys = cached.keys[0, :, :last].float()  # [KVH, last, D], rotated at their rows
-    M, c, uses_keys = query_estimator(attention, config)
     zeros = torch.zeros_like(rows)
-    values = cached.values[0][:, rows].float().transpose(0, 1).reshape(len(rows), -1)
-    if uses_keys:
-        unrotated = shifter.apply(keys[None][:, :, rows], shifter.coefficients(rows, zeros, kind))[0]
-        values = torch.cat([unrotated.transpose(0, 1).reshape(len(rows), -1), values], dim=1)
-    q = (values @ M.T + c).reshape(len(rows), H, D).transpose(0, 1)  # [H, S, D]
-    q_norm = getattr(attention, "q_norm", None)
-    if q_norm is not None:
-        with torch.no_grad():
-            q = q_norm(q.to(next(q_norm.parameters()).dtype)).float()
+    unrotated = shifter.apply(keys[None][:, :, rows], shifter.coefficients(rows, zeros, kind))[0]
+    values = cached.values[0][:, rows].float()
+    features = torch.cat([unrotated.transpose(0, 1).reshape(len(rows), -1),
+                          values.transpose(0, 1).reshape(len(rows), -1), torch.ones(len(rows), 1)], dim=1)
+    q = (features @ predictor).reshape(len(rows), H, D).transpose(0, 1)  # [H, S, D]
     q = shifter.apply(q[None], shifter.coefficients(zeros, rows, kind))[0]
-    scale = getattr(attention, "scaling", D**-0.5)
     keys = keys.repeat_interleave(H // KVH, dim=0)  # head h reads kv head h // (H / KVH)
+    scale = D**-0.5 if scale is None else scale
     out = torch.empty(len(rows))
     for a in range(0, len(rows), ROW_BLOCK):
         block = rows[a : a + ROW_BLOCK]

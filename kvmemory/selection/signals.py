@@ -147,6 +147,8 @@ class RepairSignals:
         make_shift_cache: builds a fresh Shift cache (rows ``[0, end)`` for the edited prompt,
             suffix keys rotated, unknown rows zero) without touching ``dirty_cache``.
         shifter: the model's RotaryShifter (None when keys cannot be rotated).
+        calibration_ids: gives the tokens of :data:`kvmemory.selection.exposure.CALIBRATION_TEXT`
+            under the model's tokenizer (the exposure allocator's query predictor; None: unavailable).
     """
 
     model: torch.nn.Module
@@ -158,6 +160,7 @@ class RepairSignals:
     exact_prefix: int
     make_shift_cache: Callable[[], DynamicCache]
     shifter: object | None = None
+    calibration_ids: Callable[[], Sequence[int]] | None = None
     replayed_ms: float = 0.0  # measured time of probes reused from :func:`shared_signals` (ms)
     _memo: dict = field(default_factory=dict, repr=False)
     _children: list | None = field(default=None, repr=False)
@@ -328,8 +331,13 @@ class RepairSignals:
     def removed_exposure(self) -> torch.Tensor:
         """Each stale row's estimated attention mass on the removed rows, from the dirty cache
         alone (:func:`kvmemory.selection.exposure.removed_exposure`). ``[S]`` fp32."""
+        if self.calibration_ids is None:
+            raise ValueError("the exposure allocator fits its query predictor on a tokenized calibration text: "
+                             "build RepairSignals with calibration_ids (KVSession does)")
+
         def compute():
-            return removed_exposure(self.model, self.dirty_cache, self.old_rows(), self.removed_rows(), self.shifter)
+            return removed_exposure(self.model, self.dirty_cache, self.old_rows(), self.removed_rows(), self.shifter,
+                                    self.calibration_ids())
 
         return self._once("removed_exposure", compute)
 
