@@ -123,7 +123,7 @@ def analyse(inp, B, signals, seed, record: dict) -> list[int]:
     old_rows, removed = signals.old_rows(), signals.removed_rows()
     for l in range(L):
         cands[f"exposure_estimate@layer{l}"] = removed_exposure(signals.model, signals.dirty_cache, old_rows, removed,
-                                                                signals.shifter, layers=[l])
+                                                                signals.shifter, signals.calibration_ids(), layers=[l])
     cands["exposure (allocator: layers " + ",".join(map(str, probe_layers(L))) + ")"] = signals.removed_exposure()
     tmpl = template_mask(inp).float()
     head = (torch.arange(S) < B // 3).float()
