@@ -54,9 +54,9 @@ class RepairJob:
     which query-aware allocators score against. ``new_cache`` makes the empty cache a Re-prefill
     fills (default: ``kvcache.new_cache(model.config)``), so that a session on a quantized cache
     stays on one. ``calibration_ids``: the exposure allocator's calibration text under the
-    model's tokenizer (see :class:`kvmemory.selection.RepairSignals`). ``last_logits``: fp32 ``[vocab]`` logits predicting the token after the cache's
-    last row, when the caller knows them (None: unknown); a request identical to the cache then
-    needs no forward at all. ``ids``: ``new.token_ids`` as a LongTensor ``[N]``.
+    model's tokenizer (see :class:`kvmemory.selection.RepairSignals`). ``last_logits``: fp32
+    ``[vocab]`` logits predicting the token after the cache's last row, when the caller knows them
+    (None: unknown); a request identical to the cache then needs no forward at all. ``ids``: ``new.token_ids`` as a LongTensor ``[N]``.
 
     Raises:
         InputError (ValueError): a bad policy label. InputTypeError: ``policy`` of another type.

@@ -10,7 +10,7 @@ This module estimates the same attention without a forward over the prompt. A ro
 and value at layer l are functions of its normalised hidden state, and so is its query: the
 query is predicted from ``[k; v]`` (key un-rotated) by a linear map fitted once per model and
 layer (ridge regression on a fixed calibration text, :data:`CALIBRATION_TEXT`, a forward of
-about 400 tokens through the probed layers). The predicted query, rotated to the row's old
+about 550 tokens through the probed layers). The predicted query, rotated to the row's old
 position, attends over the dirty cache's keys of that layer; the score is the mass on the
 removed rows, averaged over heads and the probed layers. Per repair: ``S × N`` attention logits
 per head and probed layer; no decoder layer runs.
@@ -106,13 +106,14 @@ def fit_query_predictors(model, token_ids: Sequence[int], layers: Sequence[int])
         lambda module, args, kwargs, l=l: states.__setitem__(l, (args[0] if args else kwargs["hidden_states"])[0]),
         with_kwargs=True) for l in layers]
     try:
+        device = model.get_input_embeddings().weight.device
         with torch.no_grad(), stop_after(model, max(layers) + 1), contextlib.suppress(_StopForward):
-            model(input_ids=torch.as_tensor([list(token_ids)]), use_cache=False)
+            model(input_ids=torch.as_tensor([list(token_ids)], device=device), use_cache=False)
         config = model.config.get_text_config()
         out = {}
         for l in layers:
             with torch.no_grad():
-                q, k, v = _projections(decoder[l].self_attn, states[l], config)
+                q, k, v = (t.cpu() for t in _projections(decoder[l].self_attn, states[l], config))
             features = torch.cat([k, v, torch.ones(len(k), 1)], dim=1)
             gram = features.T @ features
             gram += RIDGE * features.square().mean() * torch.eye(len(gram))
@@ -163,10 +164,10 @@ def removed_exposure(model, cache, old_rows: Sequence[int], removed: Sequence[in
 def _layer_exposure(predictor, config, cached, rows, gone, shifter, kind, scale) -> torch.Tensor:
     H, KVH, D = _dims(config)
     last = int(rows[-1]) + 1
-    keys = cached.keys[0, :, :last].float()  # [KVH, last, D], rotated at their rows
+    keys = cached.keys[0, :, :last].float().cpu()  # [KVH, last, D], rotated at their rows
     zeros = torch.zeros_like(rows)
     unrotated = shifter.apply(keys[None][:, :, rows], shifter.coefficients(rows, zeros, kind))[0]
-    values = cached.values[0][:, rows].float()
+    values = cached.values[0][:, rows].float().cpu()
     features = torch.cat([unrotated.transpose(0, 1).reshape(len(rows), -1),
                           values.transpose(0, 1).reshape(len(rows), -1), torch.ones(len(rows), 1)], dim=1)
     q = (features @ predictor).reshape(len(rows), H, D).transpose(0, 1)  # [H, S, D]
