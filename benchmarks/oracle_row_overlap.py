@@ -19,8 +19,8 @@ The probe swaps the oracle's entry of the allocator registry for ``analyse`` whi
 code: the repair itself then proceeds as ``oracle@<b>``).
 
 Usage:
-  OMP_NUM_THREADS=2 .venv/bin/python benchmarks/oracle_row_overlap.py --model qwen2.5-coder-0.5b \
-      --task niah --lengths 2048 --cases 6 --budget 10 --out benchmarks/results/oracle_row_overlap/niah2k
+  OMP_NUM_THREADS=1 .venv/bin/python benchmarks/oracle_row_overlap.py --model qwen2.5-coder-0.5b \
+      --task niah --lengths 2048 --cases 4 --budget 10 --out benchmarks/results/oracle_row_overlap/niah2k
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def analyse(inp, B, signals, seed, record: dict) -> list[int]:
     cands["deleted_attention@layers0-2"] = att[:3].mean(dim=0)
     cands["deleted_attention@upper_half"] = att[L // 2 :].mean(dim=0)
     old_rows, removed = signals.old_rows(), signals.removed_rows()
-    for l in range(L):
+    for l in probe_layers(L):
         cands[f"exposure_estimate@layer{l}"] = removed_exposure(signals.model, signals.dirty_cache, old_rows, removed,
                                                                 signals.shifter, signals.calibration_ids(), layers=[l])
     cands["exposure (allocator: layers " + ",".join(map(str, probe_layers(L))) + ")"] = signals.removed_exposure()
@@ -178,7 +178,7 @@ def main() -> None:
              "deleted_attention@mean", *(k for k in records[0]["signals"] if k.startswith("exposure (")),
              *(f"deviation@layer{l}" for l in (1, 3, 5, L // 2, L - 1)),
              *(f"deleted_attention@layer{l}" for l in (0, 1, L // 4, L // 2, (3 * L) // 4, L - 1)),
-             *(f"exposure_estimate@layer{l}" for l in (0, 1, L // 4, L // 2, (3 * L) // 4, L - 1))}
+             *(f"exposure_estimate@layer{l}" for l in probe_layers(L))}
     keys = [k for k in records[0]["signals"] if k in shown]
     table = ["| signal | deviation mass captured (mean) | overlap with oracle top-B (mean) |", "|---|---|---|"]
     for k in sorted(keys, key=lambda k: -sum(r["signals"][k]["mass"] for r in records)):

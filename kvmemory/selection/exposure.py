@@ -64,6 +64,10 @@ The ship left the harbour at dawn. By noon the wind had turned, and the captain 
 to reef the mainsail; the passengers, who had been promised a calm crossing, gathered below and
 played cards until the lights of the island appeared on the horizon shortly after nine."""
 
+class _Captured(Exception):
+    """Ends the calibration forward once the last probed layer's input is kept."""
+
+
 _FITS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -99,15 +103,18 @@ def fit_query_predictors(model, token_ids: Sequence[int], layers: Sequence[int])
     fits = _FITS.setdefault(model, {})
     if key in fits:
         return fits[key]
-    from .signals import _StopForward, decoder_layers, stop_after  # signals imports this module
+    decoder, states = model.get_decoder().layers, {}
 
-    decoder, states = decoder_layers(model), {}
+    def keep(module, args, kwargs, layer):
+        states[layer] = (args[0] if args else kwargs["hidden_states"])[0]
+        if layer == max(layers):
+            raise _Captured  # the layers above are not needed
+
     handles = [decoder[l].self_attn.register_forward_pre_hook(
-        lambda module, args, kwargs, l=l: states.__setitem__(l, (args[0] if args else kwargs["hidden_states"])[0]),
-        with_kwargs=True) for l in layers]
+        lambda module, args, kwargs, l=l: keep(module, args, kwargs, l), with_kwargs=True) for l in layers]
     try:
         device = model.get_input_embeddings().weight.device
-        with torch.no_grad(), stop_after(model, max(layers) + 1), contextlib.suppress(_StopForward):
+        with torch.no_grad(), contextlib.suppress(_Captured):
             model(input_ids=torch.as_tensor([list(token_ids)], device=device), use_cache=False)
         config = model.config.get_text_config()
         out = {}
