@@ -108,6 +108,14 @@ ALLOCATORS: dict[str, Allocator] = {"sur": _sur, "dense": _dense, "window": _win
 NEEDS_EMBEDDING = frozenset({"sur", "dense", "window"})
 
 SignalAllocator = Callable[[SelectionInput, int, RepairSignals, int], list[int]]
+
+
+def _exposure(inp: SelectionInput, budget: int, signals: RepairSignals, seed: int) -> list[int]:
+    """B positions with the most estimated attention on the removed rows (our extension;
+    :mod:`.exposure`). Selection cost: no forward, attention logits at three layers."""
+    return top_b(signals.removed_exposure().tolist(), inp.eligible, budget)
+
+
 SIGNAL_ALLOCATORS: dict[str, SignalAllocator] = {
     "prophetkv": prophetkv,
     "infoflow": infoflow,
@@ -118,19 +126,12 @@ SIGNAL_ALLOCATORS: dict[str, SignalAllocator] = {
     "cachetune": cachetune,
     "speccache": speccache,
     "oracle": oracle,
+    "exposure": _exposure,
 }
-ALLOCATOR_NAMES: tuple[str, ...] = (*ALLOCATORS, *SIGNAL_ALLOCATORS)  # the 14 of Appendix 7.4, in its order
-
-
-def _exposure(inp: SelectionInput, budget: int, signals: RepairSignals, seed: int) -> list[int]:
-    """B positions with the most estimated attention on the removed rows (our extension;
-    :mod:`.exposure`). Selection cost: no forward, attention logits at three layers."""
-    return top_b(signals.removed_exposure().tolist(), inp.eligible, budget)
-
-
 EXTENSION_ALLOCATORS: tuple[str, ...] = ("exposure",)  # beyond the paper; SUR stays the reference
-SIGNAL_ALLOCATORS["exposure"] = _exposure
-KNOWN_ALLOCATORS: tuple[str, ...] = (*ALLOCATOR_NAMES, *EXTENSION_ALLOCATORS)
+KNOWN_ALLOCATORS: tuple[str, ...] = (*ALLOCATORS, *SIGNAL_ALLOCATORS)
+# the 14 of Appendix 7.4, in its order
+ALLOCATOR_NAMES: tuple[str, ...] = tuple(n for n in KNOWN_ALLOCATORS if n not in EXTENSION_ALLOCATORS)
 PRIVILEGED = frozenset({"oracle"})  # needs a full clean recomputation to select (Appendix 7.4)
 ALLOCATOR_TITLES = {
     "sur": "SUR", "dense": "Dense tokens (same score)", "window": "Max-relevance contiguous",

@@ -160,32 +160,36 @@ def removed_exposure(model, cache, old_rows: Sequence[int], removed: Sequence[in
     config = model.config.get_text_config()
     rows = torch.as_tensor(list(old_rows), dtype=torch.long)
     gone = torch.as_tensor(list(removed), dtype=torch.long)
+    zeros = torch.zeros_like(rows)
+    rotations = {}  # per rope kind: (to position 0, back to the old rows), shared by its layers
     total = torch.zeros(S)
     for layer in layers:
+        kind = shifter.layer_type(layer)
+        if kind not in rotations:
+            rotations[kind] = (shifter.coefficients(rows, zeros, kind), shifter.coefficients(zeros, rows, kind))
         scale = getattr(decoder[layer].self_attn, "scaling", None)
-        total += _layer_exposure(fits[layer], config, cache.layers[layer], rows, gone, shifter,
-                                 shifter.layer_type(layer), scale)
+        total += _layer_exposure(fits[layer], config, cache.layers[layer], rows, gone, shifter, rotations[kind], scale)
     return total / len(layers)
 
 
-def _layer_exposure(predictor, config, cached, rows, gone, shifter, kind, scale) -> torch.Tensor:
+def _layer_exposure(predictor, config, cached, rows, gone, shifter, rotations, scale) -> torch.Tensor:
     H, KVH, D = _dims(config)
+    to_zero, back = rotations
     last = int(rows[-1]) + 1
     keys = cached.keys[0, :, :last].float().cpu()  # [KVH, last, D], rotated at their rows
-    zeros = torch.zeros_like(rows)
-    unrotated = shifter.apply(keys[None][:, :, rows], shifter.coefficients(rows, zeros, kind))[0]
+    unrotated = shifter.apply(keys[None][:, :, rows], to_zero)[0]
     values = cached.values[0][:, rows].float().cpu()
     features = torch.cat([unrotated.transpose(0, 1).reshape(len(rows), -1),
                           values.transpose(0, 1).reshape(len(rows), -1), torch.ones(len(rows), 1)], dim=1)
     q = (features @ predictor).reshape(len(rows), H, D).transpose(0, 1)  # [H, S, D]
-    q = shifter.apply(q[None], shifter.coefficients(zeros, rows, kind))[0]
-    keys = keys.repeat_interleave(H // KVH, dim=0)  # head h reads kv head h // (H / KVH)
+    q = shifter.apply(q[None], back)[0].view(KVH, H // KVH, len(rows), D)  # head h reads kv head h // (H / KVH)
+    keys_t = keys.transpose(1, 2)[:, None]  # [KVH, 1, D, last]
     scale = D**-0.5 if scale is None else scale
     out = torch.empty(len(rows))
     for a in range(0, len(rows), ROW_BLOCK):
         block = rows[a : a + ROW_BLOCK]
-        logits = (q[:, a : a + ROW_BLOCK] @ keys.transpose(1, 2)) * scale  # [H, b, last]
+        logits = (q[:, :, a : a + ROW_BLOCK] @ keys_t) * scale  # [KVH, H / KVH, b, last]
         visible = torch.arange(last)[None] <= block[:, None]
-        weights = logits.masked_fill_(~visible[None], float("-inf")).softmax(dim=-1)
-        out[a : a + ROW_BLOCK] = weights[..., gone].sum(dim=-1).mean(dim=0)
+        weights = logits.masked_fill_(~visible, float("-inf")).softmax(dim=-1)
+        out[a : a + ROW_BLOCK] = weights[..., gone].sum(dim=-1).mean(dim=(0, 1))
     return out
