@@ -12,6 +12,8 @@ Signals and what computing them would cost at repair time:
   signal; needs a forward of the dirty suffix through that layer);
 - ``exposure_estimate@layer<l>`` and ``exposure``: the same attention with each row's query
   estimated from its cached K/V (:mod:`kvmemory.selection.exposure`; no forward);
+- ``<signal>@<layer set>`` (``quarters``, ``every4``, ``every2``, ``all``, ...): a signal averaged
+  over a set of layers (which layers the estimate should probe);
 - ``sur``, ``template``, ``head+template``, ``nearest_to_*``, ``shift_norm*``: text or cache
   geometry only (free).
 
@@ -94,6 +96,12 @@ def template_mask(inp) -> torch.Tensor:
     return ~inside[torch.as_tensor(list(inp.eligible))]
 
 
+def layer_sets(L: int) -> dict[str, list[int]]:
+    """Candidate sets of probed layers, named by how they are chosen."""
+    return {"quarters": list(probe_layers(L)), "every4": list(range(2, L, 4)), "every2": list(range(1, L, 2)),
+            "all": list(range(L)), "upper_half": list(range(L // 2, L)), "middle_half": list(range(L // 4, (3 * L) // 4))}
+
+
 def topk_set(scores: torch.Tensor, k: int) -> set[int]:
     return set(torch.argsort(-scores, stable=True)[:k].tolist())
 
@@ -121,10 +129,14 @@ def analyse(inp, B, signals, seed, record: dict) -> list[int]:
     cands["deleted_attention@layers0-2"] = att[:3].mean(dim=0)
     cands["deleted_attention@upper_half"] = att[L // 2 :].mean(dim=0)
     old_rows, removed = signals.old_rows(), signals.removed_rows()
-    for l in probe_layers(L):
-        cands[f"exposure_estimate@layer{l}"] = removed_exposure(signals.model, signals.dirty_cache, old_rows, removed,
-                                                                signals.shifter, signals.calibration_ids(), layers=[l])
     cands["exposure (allocator: layers " + ",".join(map(str, probe_layers(L))) + ")"] = signals.removed_exposure()
+    estimate = torch.stack([removed_exposure(signals.model, signals.dirty_cache, old_rows, removed, signals.shifter,
+                                             signals.calibration_ids(), layers=[l]) for l in range(L)])
+    for l in range(L):
+        cands[f"exposure_estimate@layer{l}"] = estimate[l]
+    for name, chosen in layer_sets(L).items():  # which layers to average: estimate vs true attention
+        cands[f"exposure_estimate@{name}"] = estimate[chosen].mean(dim=0)
+        cands[f"deleted_attention@{name}"] = att[chosen].mean(dim=0)
     tmpl = template_mask(inp).float()
     head = (torch.arange(S) < B // 3).float()
     cands["template"] = tmpl
@@ -178,7 +190,8 @@ def main() -> None:
              "deleted_attention@mean", *(k for k in records[0]["signals"] if k.startswith("exposure (")),
              *(f"deviation@layer{l}" for l in (1, 3, 5, L // 2, L - 1)),
              *(f"deleted_attention@layer{l}" for l in (0, 1, L // 4, L // 2, (3 * L) // 4, L - 1)),
-             *(f"exposure_estimate@layer{l}" for l in probe_layers(L))}
+             *(f"exposure_estimate@layer{l}" for l in (L // 4, L // 2, (3 * L) // 4)),
+             *(f"{kind}@{name}" for name in layer_sets(L) for kind in ("exposure_estimate", "deleted_attention"))}
     keys = [k for k in records[0]["signals"] if k in shown]
     table = ["| signal | deviation mass captured (mean) | overlap with oracle top-B (mean) |", "|---|---|---|"]
     for k in sorted(keys, key=lambda k: -sum(r["signals"][k]["mass"] for r in records)):

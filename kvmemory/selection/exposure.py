@@ -12,8 +12,8 @@ query is predicted from ``[k; v]`` (key un-rotated) by a linear map fitted once 
 layer (ridge regression on a fixed calibration text, :data:`CALIBRATION_TEXT`, a forward of
 about 550 tokens through the probed layers). The predicted query, rotated to the row's old
 position, attends over the dirty cache's keys of that layer; the score is the mass on the
-removed rows, averaged over heads and the probed layers. Per repair: ``S × N`` attention logits
-per head and probed layer; no decoder layer runs.
+removed rows, averaged over heads and the probed layers (every other layer, :func:`probe_layers`).
+Per repair: ``S × N`` attention logits per head and probed layer; no decoder layer runs.
 
 It is a selector: it chooses which rows the exact refresh recomputes; a poor estimate costs
 fidelity, never exactness of the rows refreshed.
@@ -72,9 +72,14 @@ _FITS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDicti
 
 
 def probe_layers(num_layers: int) -> tuple[int, ...]:
-    """The layers probed by default: a quarter, half and three quarters of the depth (the exposure
-    of the first layers misses rows that attend to the removed text only in the middle layers)."""
-    return tuple(sorted({min(num_layers - 1, (num_layers * k) // 4) for k in (1, 2, 3)}))
+    """The layers probed by default: every other layer (1, 3, 5, ...; layer 0 for a one-layer model).
+
+    Why so many: rows read the removed text at different depths, and the average over many layers
+    ranks them as the true attention does. On 4 Erasing-NIAH 2 K cases of a seed that no result
+    reports (Qwen2.5-Coder-0.5B, ``benchmarks/results/oracle_row_overlap/niah2k_seed1``) the top
+    10 % by this estimate held 0.94 of the clean-state oracle's deviation mass, the true attention
+    averaged over the same layers 0.94; a quarter, half and three quarters of the depth held 0.75."""
+    return tuple(range(1, num_layers, 2)) or (0,)
 
 
 def _dims(config) -> tuple[int, int, int]:
