@@ -193,8 +193,10 @@ def _layer_exposure(predictor, config, cached, rows, gone, shifter, rotations, s
     out = torch.empty(len(rows))
     for a in range(0, len(rows), ROW_BLOCK):
         block = rows[a : a + ROW_BLOCK]
-        logits = (q[:, :, a : a + ROW_BLOCK] @ keys_t) * scale  # [KVH, H / KVH, b, last]
-        visible = torch.arange(last)[None] <= block[:, None]
-        weights = logits.masked_fill_(~visible, float("-inf")).softmax(dim=-1)
-        out[a : a + ROW_BLOCK] = weights[..., gone].sum(dim=-1).mean(dim=(0, 1))
+        first, end = int(block[0]), int(block[-1]) + 1  # keys before `first` are visible to the whole block
+        logits = (q[:, :, a : a + ROW_BLOCK] @ keys_t[..., :end]) * scale  # [KVH, H / KVH, b, end]
+        future = torch.arange(first, end)[None] > block[:, None]
+        logits[..., first:end].masked_fill_(future, float("-inf"))
+        weights = logits.softmax(dim=-1)
+        out[a : a + ROW_BLOCK] = weights[..., gone[gone < end]].sum(dim=-1).mean(dim=(0, 1))
     return out
