@@ -98,7 +98,7 @@ def template_mask(inp) -> torch.Tensor:
 
 def layer_sets(L: int) -> dict[str, list[int]]:
     """Candidate sets of probed layers, named by how they are chosen."""
-    return {"quarters": list(probe_layers(L)), "every4": list(range(2, L, 4)), "every2": list(range(1, L, 2)),
+    return {"quarters": sorted({(L * k) // 4 for k in (1, 2, 3)}), "every4": list(range(2, L, 4)), "every2": list(range(1, L, 2)),
             "all": list(range(L)), "upper_half": list(range(L // 2, L)), "middle_half": list(range(L // 4, (3 * L) // 4))}
 
 
