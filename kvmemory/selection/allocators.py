@@ -112,7 +112,7 @@ SignalAllocator = Callable[[SelectionInput, int, RepairSignals, int], list[int]]
 
 def _exposure(inp: SelectionInput, budget: int, signals: RepairSignals, seed: int) -> list[int]:
     """B positions with the most estimated attention on the removed rows (our extension;
-    :mod:`.exposure`). Selection cost: no forward, attention logits at three layers."""
+    :mod:`.exposure`). Selection cost: no forward, attention logits at every other layer."""
     return top_b(signals.removed_exposure().tolist(), inp.eligible, budget)
 
 
