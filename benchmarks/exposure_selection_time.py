@@ -1,6 +1,6 @@
 """How long does the ``exposure`` allocator's selection take on one real case? (a lab timing)
 
-Prefills one Erasing-NIAH case's history, then times :func:`kvmemory.selection.exposure.removed_exposure`
+Prefills one Erasing-NIAH case's history, then times :func:`kvmemory.selection.exposure.estimated_exposure` (removed rows)
 over the default probe layers (the query predictors fitted beforehand, as a warm session has them).
 With ``--reference PATH`` (a copy of another version of ``exposure.py``, e.g.
 ``git show <rev>:kvmemory/selection/exposure.py > /tmp/exposure_ref.py``) the two versions run in
@@ -66,8 +66,8 @@ def main() -> None:
     for _ in range(a.trials):
         for name, module in versions.items():
             t0 = time.perf_counter()
-            scores[name] = module.removed_exposure(loaded.model, session.cache, old_rows, removed, shifter, ids,
-                                                   layers=layers)
+            score = getattr(module, "estimated_exposure", None) or module.removed_exposure  # an older module's name
+            scores[name] = score(loaded.model, session.cache, old_rows, removed, shifter, ids, layers=layers)
             seconds[name].append(time.perf_counter() - t0)
     result = {"case": case.case_id, "N": len(session.token_ids), "S": len(old_rows), "layers": len(layers),
               "threads": torch.get_num_threads(), "load": os.getloadavg(),

@@ -10,8 +10,10 @@ Signals and what computing them would cost at repair time:
 - ``deviation@layer<l>``: the K/V deviation at one layer (needs a clean prefill through l+1 layers);
 - ``deleted_attention@...``: each row's true attention mass on the removed rows (Cache-Craft's
   signal; needs a forward of the dirty suffix through that layer);
-- ``exposure_estimate@layer<l>`` and ``exposure``: the same attention with each row's query
-  estimated from its cached K/V (:mod:`kvmemory.selection.exposure`; no forward);
+- ``exposure_estimate@layer<l>`` and ``exposure_removed_only``: the same attention with each
+  row's query estimated from its cached K/V (:mod:`kvmemory.selection.exposure`; no forward);
+  ``exposure_inserted_only``: the estimated mass on the inserted text in the edited prompt (a
+  forward of the inserted tokens); ``exposure`` (the allocator): the larger of the two;
 - ``<signal>@<layer set>`` (``quarters``, ``every4``, ``every2``, ``all``, ...): a signal averaged
   over a set of layers (which layers the estimate should probe);
 - ``sur``, ``template``, ``head+template``, ``nearest_to_*``, ``shift_norm*``: text or cache
@@ -37,7 +39,7 @@ from kvmemory.models import load_model
 from kvmemory.policy import RepairPolicy
 from kvmemory.selection import allocators as registry
 from kvmemory.selection.allocators import select
-from kvmemory.selection.exposure import probe_layers, removed_exposure
+from kvmemory.selection.exposure import estimated_exposure, probe_layers
 from kvmemory.selection.signals import capture_attention, decoder_layers, eager_attention, forward_at
 from kvmemory.session import KVSession
 from kvmemory_lab.bench.quality import build_cases
@@ -129,9 +131,12 @@ def analyse(inp, B, signals, seed, record: dict) -> list[int]:
     cands["deleted_attention@layers0-2"] = att[:3].mean(dim=0)
     cands["deleted_attention@upper_half"] = att[L // 2 :].mean(dim=0)
     old_rows, removed = signals.old_rows(), signals.removed_rows()
-    cands["exposure (allocator: layers " + ",".join(map(str, probe_layers(L))) + ")"] = signals.removed_exposure()
-    estimate = torch.stack([removed_exposure(signals.model, signals.dirty_cache, old_rows, removed, signals.shifter,
-                                             signals.calibration_ids(), layers=[l]) for l in range(L)])
+    removed_mass, inserted_mass = signals.removed_exposure(), signals.inserted_exposure()
+    cands["exposure (allocator: layers " + ",".join(map(str, probe_layers(L))) + ")"] = removed_mass.maximum(inserted_mass)
+    cands["exposure_removed_only"], cands["exposure_inserted_only"] = removed_mass, inserted_mass
+    cands["exposure_removed+inserted"] = removed_mass + inserted_mass
+    estimate = torch.stack([estimated_exposure(signals.model, signals.dirty_cache, old_rows, removed, signals.shifter,
+                                               signals.calibration_ids(), layers=[l]) for l in range(L)])
     for l in range(L):
         cands[f"exposure_estimate@layer{l}"] = estimate[l]
     for name, chosen in layer_sets(L).items():  # which layers to average: estimate vs true attention

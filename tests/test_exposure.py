@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from kvmemory import kvcache
-from kvmemory.selection.exposure import CALIBRATION_TEXT, fit_query_predictors, probe_layers, removed_exposure
+from kvmemory.selection.exposure import CALIBRATION_TEXT, fit_query_predictors, probe_layers, estimated_exposure
+from kvmemory.selection import allocators
 from kvmemory.selection.signals import capture_attention, eager_attention, forward_at
 from kvmemory.session import KVSession
 from kvmemory.shift import RotaryShifter
 from kvmemory.testing import tiny_model
-from support import QUERY, history, without
+from support import QUERY, history, prepared, replaced, without
+
+NEW_T2 = "The harbour of Port Calder was dredged in 1902 and again after the war."
 
 
 def _true_exposure(model, ids, old_rows, removed, layer) -> torch.Tensor:
@@ -45,7 +48,7 @@ def test_estimate_is_the_attention_when_keys_and_values_determine_the_state(fami
     session, removed, old_rows = _dirty(model, tokenizer)
     shifter = RotaryShifter(model)
     for layer in (0, 1):
-        est = removed_exposure(model, session.cache, old_rows, removed, shifter, _calibration(tokenizer), layers=[layer])
+        est = estimated_exposure(model, session.cache, old_rows, removed, shifter, _calibration(tokenizer), layers=[layer])
         true = _true_exposure(model, session.token_ids, old_rows, removed, layer)
         assert torch.allclose(est, true, atol=2e-4), (family, layer, (est - true).abs().max())
     assert float(est.sum()) > 0
@@ -54,12 +57,12 @@ def test_estimate_is_the_attention_when_keys_and_values_determine_the_state(fami
 def test_without_removed_rows_every_score_is_zero(tokenizer):
     model = tiny_model("llama")
     session, _, old_rows = _dirty(model, tokenizer)
-    assert removed_exposure(model, session.cache, old_rows, [], RotaryShifter(model), [1, 2]).abs().sum() == 0
+    assert estimated_exposure(model, session.cache, old_rows, [], RotaryShifter(model), [1, 2]).abs().sum() == 0
 
 
 def test_a_model_without_rotary_keys_is_refused():
     with pytest.raises(ValueError, match="use sur"):
-        removed_exposure(tiny_model("llama"), None, [1], [0], None, [1, 2])
+        estimated_exposure(tiny_model("llama"), None, [1], [0], None, [1, 2])
 
 
 def test_the_query_predictor_is_fitted_once_per_model_and_text(tokenizer):
@@ -69,6 +72,49 @@ def test_the_query_predictor_is_fitted_once_per_model_and_text(tokenizer):
     assert fit_query_predictors(model, ids, (0, 1)) is first
     assert fit_query_predictors(model, ids[:50], (0, 1)) is not first
     assert first[1].shape == (2 * 2 * 16 + 1, 4 * 16)
+
+
+def _spy_on_exposure(monkeypatch) -> dict:
+    """Keep the RepairSignals the exposure allocator scores with (the repair itself goes on)."""
+    seen, original = {}, allocators.SIGNAL_ALLOCATORS["exposure"]
+
+    def spy(inp, budget, signals, seed):
+        seen["signals"] = signals
+        return original(inp, budget, signals, seed)
+
+    monkeypatch.setitem(allocators.SIGNAL_ALLOCATORS, "exposure", spy)
+    return seen
+
+
+def test_inserted_text_is_forwarded_once_exactly_and_counted(tokenizer, monkeypatch):
+    model = tiny_model("qwen2")
+    seen = _spy_on_exposure(monkeypatch)
+    base = prepared(model, tokenizer, history())
+    new = replaced(history(), "t2", NEW_T2) + [QUERY]
+    report = base.fork().prepare(new, policy="exposure@10")
+    signals = seen["signals"]
+    inserted = signals.inserted_rows()
+    assert inserted and inserted[0] == signals.exact_prefix  # the new text follows the exact prefix
+    assert report.probe_tokens == len(inserted)
+    assert report.recomputed_tokens == sum(b - a for a, b in report.spans) + len(inserted)
+    # rows of the new text that attend only to the exact prefix equal a Re-prefill's
+    clean, layers = prepared(model, tokenizer, new).cache, model.config.num_hidden_layers
+    probed = signals.with_inserted_rows(layers)
+    for mine, reference in zip(probed.layers, clean.layers):
+        assert torch.allclose(mine.keys[:, :, inserted], reference.keys[:, :, inserted], atol=1e-5)
+        assert torch.allclose(mine.values[:, :, inserted], reference.values[:, :, inserted], atol=1e-5)
+    # the larger mass ranks: inserted text moves the rows after it
+    assert float(signals.inserted_exposure().max()) > 0
+
+
+def test_a_deletion_forwards_nothing_and_scores_the_removed_rows_only(tokenizer, monkeypatch):
+    model = tiny_model("llama")
+    seen = _spy_on_exposure(monkeypatch)
+    report = prepared(model, tokenizer, history()).fork().prepare(without(history(), "t2") + [QUERY],
+                                                                  policy="exposure@10")
+    signals = seen["signals"]
+    assert signals.inserted_rows() == [] and report.probe_tokens == 0
+    assert signals.inserted_exposure().abs().sum() == 0 and float(signals.removed_exposure().max()) > 0
 
 
 def test_probe_layers_are_every_other_layer():
@@ -83,11 +129,29 @@ def test_estimate_ranks_rows_as_the_true_attention_on_the_real_model(real):
     shifter = RotaryShifter(real.model)
     k = len(old_rows) // 10
     for layer in probe_layers(real.model.config.num_hidden_layers):
-        est = removed_exposure(real.model, session.cache, old_rows, removed, shifter, _calibration(real.tokenizer),
+        est = estimated_exposure(real.model, session.cache, old_rows, removed, shifter, _calibration(real.tokenizer),
                                layers=[layer])
         true = _true_exposure(real.model, session.token_ids, old_rows, removed, layer)
         overlap = len(set(est.topk(k).indices.tolist()) & set(true.topk(k).indices.tolist())) / k
         assert overlap >= 0.5, (layer, overlap)
+
+
+@pytest.mark.real_model
+@pytest.mark.real_model
+def test_exposure_on_replaced_text_ranks_rows_as_the_clean_attention_on_the_real_model(real, monkeypatch):
+    # the inserted mass is estimated with stale queries in the Shift cache; the rows that read the
+    # new text most in a Re-prefill of the edited prompt must still be mostly among its top rows
+    seen = _spy_on_exposure(monkeypatch)
+    new = replaced(history(), "t2", NEW_T2) + [QUERY]
+    report = prepared(real.model, real.tokenizer, history()).fork().prepare(new, policy="exposure@10")
+    signals = seen["signals"]
+    assert report.fallback is None and report.probe_tokens == len(signals.inserted_rows())
+    estimate = signals.inserted_exposure()
+    true = torch.stack([_true_exposure(real.model, signals.token_ids, list(signals.eligible), signals.inserted_rows(), l)
+                        for l in probe_layers(real.model.config.num_hidden_layers)]).mean(dim=0)
+    k = len(estimate) // 10
+    overlap = len(set(estimate.topk(k).indices.tolist()) & set(true.topk(k).indices.tolist())) / k
+    assert overlap >= 0.5, overlap
 
 
 @pytest.mark.real_model

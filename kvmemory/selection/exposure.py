@@ -1,19 +1,25 @@
-"""Exposure to the removed rows, estimated from the cache alone (our extension beyond the paper).
+"""Exposure to the edit, estimated from the cache alone (our extension beyond the paper).
 
-Why: a stale row's K/V is wrong by as much as that row attended to what the edit removed.
-Cache-Craft's signal (Table 1, Cache-Craft-Adapted) measures that attention by replaying the
-dirty suffix, which costs more than Replay. On Qwen2.5-0.5B Erasing-NIAH the rows it ranks first
-hold most of the clean-state oracle's K/V deviation, where SUR's do not
+Why: a stale row's K/V is wrong by as much as its attention changed with the edit. If the edit
+leaves the logits of the kept rows alone, the total-variation distance between a row's dirty
+attention and its clean attention is the larger of two masses: what it gave the removed rows
+(in the dirty cache) and what it would give the inserted rows (new text, in the edited prompt).
+Cache-Craft's signal (Table 1, Cache-Craft-Adapted) measures the first by replaying the dirty
+suffix, which costs more than Replay. On Qwen2.5-0.5B Erasing-NIAH the rows it ranks first hold
+most of the clean-state oracle's K/V deviation, where SUR's do not
 (``benchmarks/results/oracle_row_overlap/``).
 
-This module estimates the same attention without a forward over the prompt. A row's cached key
+This module estimates both masses without a forward over the stale rows. A row's cached key
 and value at layer l are functions of its normalised hidden state, and so is its query: the
 query is predicted from ``[k; v]`` (key un-rotated) by a linear map fitted once per model and
 layer (ridge regression on a fixed calibration text, :data:`CALIBRATION_TEXT`, a forward of
-about 550 tokens through the probed layers). The predicted query, rotated to the row's old
-position, attends over the dirty cache's keys of that layer; the score is the mass on the
-removed rows, averaged over heads and the probed layers (every other layer, :func:`probe_layers`).
-Per repair: ``S × N`` attention logits per head and probed layer; no decoder layer runs.
+about 550 tokens through the probed layers). The predicted query, rotated to the row's
+position, attends over a cache's keys of that layer; the score is the mass on the target rows,
+averaged over heads and the probed layers (every other layer, :func:`probe_layers`). For the
+removed rows that cache is the dirty one; for the inserted rows it is the Shift cache with the
+inserted text forwarded (:meth:`kvmemory.selection.signals.RepairSignals.inserted_exposure`:
+the only forward, over the inserted tokens). Per repair: ``S × N`` attention logits per head,
+probed layer and frame.
 
 It is a selector: it chooses which rows the exact refresh recomputes; a poor estimate costs
 fidelity, never exactness of the rows refreshed.
@@ -137,15 +143,17 @@ def fit_query_predictors(model, token_ids: Sequence[int], layers: Sequence[int])
     return out
 
 
-def removed_exposure(model, cache, old_rows: Sequence[int], removed: Sequence[int], shifter,
-                     calibration_ids: Sequence[int], layers: Sequence[int] | None = None) -> torch.Tensor:
-    """Estimated attention mass of each stale row on the removed rows, ``[S]`` fp32 in [0, 1].
+def estimated_exposure(model, cache, rows: Sequence[int], targets: Sequence[int], shifter,
+                       calibration_ids: Sequence[int], layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Estimated attention mass of each stale row on the target rows, ``[S]`` fp32 in [0, 1].
 
     Args:
         model: the causal LM (transformers 5.x decoder with ``q_proj``/``k_proj``/``v_proj``).
-        cache: the dirty (pre-edit) cache; its row r was computed at position r.
-        old_rows: the dirty row of each stale row, ``S`` strictly increasing ints.
-        removed: dirty rows the edit removed (not kept in the new prompt).
+        cache: its row r was computed (or rotated) at position r: the dirty (pre-edit) cache, or
+            the Shift cache with the inserted rows computed.
+        rows: the row of each stale row in ``cache``, ``S`` strictly increasing ints.
+        targets: rows of ``cache`` whose attention mass is scored (the removed rows of the dirty
+            cache, or the inserted rows of the edited prompt).
         shifter: the model's :class:`kvmemory.shift.RotaryShifter` (rotates keys and queries).
         calibration_ids: the tokens the query predictor is fitted on (:data:`CALIBRATION_TEXT`
             tokenized by the model's tokenizer; :func:`fit_query_predictors`).
@@ -156,28 +164,29 @@ def removed_exposure(model, cache, old_rows: Sequence[int], removed: Sequence[in
     """
     if shifter is None:
         raise ValueError("the exposure allocator rotates keys and needs a rotary model; use sur")
-    S = len(old_rows)
-    if not len(removed) or not S:
+    S = len(rows)
+    if not len(targets) or not S:
         return torch.zeros(S)
     decoder = model.get_decoder().layers
     layers = probe_layers(len(decoder)) if layers is None else tuple(layers)
     fits = fit_query_predictors(model, calibration_ids, layers)
     config = model.config.get_text_config()
-    rows = torch.as_tensor(list(old_rows), dtype=torch.long)
-    gone = torch.as_tensor(list(removed), dtype=torch.long)
-    zeros = torch.zeros_like(rows)
-    rotations = {}  # per rope kind: (to position 0, back to the old rows), shared by its layers
+    queries = torch.as_tensor(list(rows), dtype=torch.long)
+    scored = torch.as_tensor(list(targets), dtype=torch.long)
+    zeros = torch.zeros_like(queries)
+    rotations = {}  # per rope kind: (to position 0, back to the rows), shared by its layers
     total = torch.zeros(S)
     for layer in layers:
         kind = shifter.layer_type(layer)
         if kind not in rotations:
-            rotations[kind] = (shifter.coefficients(rows, zeros, kind), shifter.coefficients(zeros, rows, kind))
+            rotations[kind] = (shifter.coefficients(queries, zeros, kind), shifter.coefficients(zeros, queries, kind))
         scale = getattr(decoder[layer].self_attn, "scaling", None)
-        total += _layer_exposure(fits[layer], config, cache.layers[layer], rows, gone, shifter, rotations[kind], scale)
+        total += _layer_exposure(fits[layer], config, cache.layers[layer], queries, scored, shifter, rotations[kind],
+                                 scale)
     return total / len(layers)
 
 
-def _layer_exposure(predictor, config, cached, rows, gone, shifter, rotations, scale) -> torch.Tensor:
+def _layer_exposure(predictor, config, cached, rows, targets, shifter, rotations, scale) -> torch.Tensor:
     H, KVH, D = _dims(config)
     to_zero, back = rotations
     last = int(rows[-1]) + 1
@@ -198,5 +207,5 @@ def _layer_exposure(predictor, config, cached, rows, gone, shifter, rotations, s
         future = torch.arange(first, end)[None] > block[:, None]
         logits[..., first:end].masked_fill_(future, float("-inf"))
         weights = logits.softmax(dim=-1)
-        out[a : a + ROW_BLOCK] = weights[..., gone[gone < end]].sum(dim=-1).mean(dim=(0, 1))
+        out[a : a + ROW_BLOCK] = weights[..., targets[targets < end]].sum(dim=-1).mean(dim=(0, 1))
     return out
