@@ -306,8 +306,6 @@ class RepairReport:
     forwarded through the model (new text + refreshed stale rows); ``refreshed_tokens`` is the
     allowance B spent on stale rows; ``reused_tokens`` rows were served from the live cache.
     ``spans`` are the computed position intervals ``[a, b)``, ``intervals`` their count.
-    ``probe_tokens`` were forwarded by the allocator to select (the exposure allocator's inserted
-    text); they are in ``recomputed_tokens`` too.
     ``stale_tokens`` is S, this edit's stale suffix (reused rows after its first edit point, see
     :func:`kvmemory.edits.plan_edits`); ``kept_stale_tokens`` are rows an earlier repair left
     stale and already paid for, kept as they were (not refreshed again, still not exact).
@@ -346,7 +344,6 @@ class RepairReport:
     stale_tokens: int = 0
     kept_stale_tokens: int = 0
     refreshed_tokens: int = 0
-    probe_tokens: int = 0
     shifted_tokens: int = 0
     intervals: int = 0
     spans: list[tuple[int, int]] = field(default_factory=list)

@@ -285,12 +285,11 @@ def _sparse_refresh(job: RepairJob, B: int) -> Repaired:
     lower = sorted(set(plan.suffix_positions).union(*(range(a, b) for a, b in intervals))) if policy.lower_layers else None
     out = run_refresh(job.model, shifted, ids, intervals, choice, policy.backend, lower_rows=lower,
                       lower_layers=policy.lower_layers)
-    probe_tokens = signals.probe_tokens if signals is not None else 0
     return Repaired(shifted, out.next_logits, plan.exact_prefix, dict(
-        reused_tokens=ids.shape[0] - out.forwarded_tokens, recomputed_tokens=out.forwarded_tokens + probe_tokens,
-        probe_tokens=probe_tokens, refreshed_tokens=B, shifted_tokens=shifted_tokens, spans=intervals,
-        executor=executor_label(choice, policy.backend), executor_fallback=choice.fallback, selection_ms=selection_ms,
-        shift_ms=shift_ms, refresh_ms=_ms(t2), replayed_probe_ms=probe_ms))
+        reused_tokens=ids.shape[0] - out.forwarded_tokens, recomputed_tokens=out.forwarded_tokens, refreshed_tokens=B,
+        shifted_tokens=shifted_tokens, spans=intervals, executor=executor_label(choice, policy.backend),
+        executor_fallback=choice.fallback, selection_ms=selection_ms, shift_ms=shift_ms, refresh_ms=_ms(t2),
+        replayed_probe_ms=probe_ms))
 
 
 def _adaptive_refresh(job: RepairJob) -> Repaired:
@@ -326,10 +325,8 @@ def _adaptive_refresh(job: RepairJob) -> Repaired:
                "start": policy.start, "stopped_by": out.stopped_by, "spent_budget": spent,
                "probe_tokens": out.probe_tokens, "rounds": out.rounds, "escalated": False}
     computed = set(out.selected) | set(plan.new_positions) | {ids.shape[0] - 1}
-    probe_tokens = signals.probe_tokens if signals is not None else 0
     rounds = Repaired(shifted, out.next_logits, plan.exact_prefix, dict(
-        reused_tokens=ids.shape[0] - len(computed), recomputed_tokens=out.forwarded + probe_tokens,
-        probe_tokens=probe_tokens, refreshed_tokens=len(out.selected),
+        reused_tokens=ids.shape[0] - len(computed), recomputed_tokens=out.forwarded, refreshed_tokens=len(out.selected),
         shifted_tokens=shifted_tokens, spans=out.intervals, executor_fallback=out.executor_fallback,
         executor=executor_label(ExecutorChoice(out.executor), policy.backend) if out.executor else None,
         selection_ms=selecting_ms + probe_ms, shift_ms=shift_ms, refresh_ms=rounds_ms, replayed_probe_ms=probe_ms,
@@ -344,8 +341,7 @@ def _replay_after_rounds(job: RepairJob, rounds: Repaired) -> Repaired:
     the untouched cache. The rounds' Shift, selections, forwarded rows and time stay counted."""
     policy, done = job.policy, rounds.measures
     replayed = _replay(job)
-    kept = {k: done[k] for k in ("shifted_tokens", "probe_tokens", "executor_fallback", "selection_ms", "shift_ms",
-                                 "replayed_probe_ms")}
+    kept = {k: done[k] for k in ("shifted_tokens", "executor_fallback", "selection_ms", "shift_ms", "replayed_probe_ms")}
     return replayed.updated(
         **kept, recomputed_tokens=replayed.measures["recomputed_tokens"] + done["recomputed_tokens"],
         refresh_ms=replayed.measures["refresh_ms"] + done["refresh_ms"], budget=100.0,

@@ -111,13 +111,9 @@ SignalAllocator = Callable[[SelectionInput, int, RepairSignals, int], list[int]]
 
 
 def _exposure(inp: SelectionInput, budget: int, signals: RepairSignals, seed: int) -> list[int]:
-    """B positions whose attention the edit moved most (our extension; :mod:`.exposure`): the
-    larger of the estimated masses on the removed rows and on the inserted rows (their
-    total-variation distance when the kept rows' logits stay). Selection cost: attention logits
-    at every other layer, in the dirty cache and, when text was inserted, in the edited prompt,
-    whose inserted tokens are forwarded once (``RepairReport.probe_tokens``)."""
-    scores = torch.maximum(signals.removed_exposure(), signals.inserted_exposure())
-    return top_b(scores.tolist(), inp.eligible, budget)
+    """B positions with the most estimated attention on the removed rows (our extension;
+    :mod:`.exposure`). Selection cost: no forward, attention logits at every other layer."""
+    return top_b(signals.removed_exposure().tolist(), inp.eligible, budget)
 
 
 SIGNAL_ALLOCATORS: dict[str, SignalAllocator] = {

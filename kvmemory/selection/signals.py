@@ -21,8 +21,7 @@ from transformers import DynamicCache
 
 from .. import kvcache
 from ..edits import ReuseRun
-from .exposure import estimated_exposure, probe_layers
-from .intervals import to_intervals
+from .exposure import removed_exposure
 
 SHALLOW_LAYERS = 2  # CacheBlend / A3: "fresh two-layer edited prefill", layer 1 is read
 
@@ -331,58 +330,16 @@ class RepairSignals:
 
     def removed_exposure(self) -> torch.Tensor:
         """Each stale row's estimated attention mass on the removed rows, from the dirty cache
-        alone (:func:`kvmemory.selection.exposure.estimated_exposure`). ``[S]`` fp32."""
-        def compute():
-            return estimated_exposure(self.model, self.dirty_cache, self.old_rows(), self.removed_rows(), self.shifter,
-                                      self._calibration_ids())
-
-        return self._once("removed_exposure", compute)
-
-    def inserted_rows(self) -> list[int]:
-        """Positions of the retained context computed anew (inserted or replacing text): between
-        the exact prefix and the end of the stale suffix, every position no stale row holds."""
-        stale = set(self.eligible)
-        return [p for p in range(self.exact_prefix, self.context_end) if p not in stale]
-
-    def inserted_exposure(self) -> torch.Tensor:
-        """Each stale row's estimated attention mass on the inserted rows in the edited prompt:
-        the Shift cache with the inserted tokens forwarded through the probed layers (their only
-        forward; :attr:`probe_tokens` counts them). ``[S]`` fp32, zeros when nothing is inserted."""
-        if not self.inserted_rows():
-            return torch.zeros(len(self.eligible))
-
-        def compute():
-            layers = probe_layers(len(decoder_layers(self.model)))
-            return estimated_exposure(self.model, self.with_inserted_rows(max(layers) + 1), self.eligible,
-                                      self.inserted_rows(), self.shifter, self._calibration_ids(), layers)
-
-        return self._once("inserted_exposure", compute)
-
-    @property
-    def probe_tokens(self) -> int:
-        """Tokens the probes run so far forwarded through the model beyond the repair's own rows
-        (counted for the inserted rows the exposure allocator scores; other probes are charged by
-        their time only)."""
-        return len(self.inserted_rows()) if "inserted_exposure" in self._memo else 0
-
-    def with_inserted_rows(self, depth: int) -> DynamicCache:
-        """A copy of the Shift cache whose inserted rows are computed through the first ``depth``
-        layers, span by span in order, each attending to the rows before it (deeper layers keep
-        placeholder rows)."""
-        cache = kvcache.clone_cache(self.shift_cache())
-        for a, b in to_intervals(self.inserted_rows()):
-            part = kvcache.prefix_copy(cache, a)
-            with stop_after(self.model, depth):
-                forward_at(self.model, part, self.token_ids[a:b], a)
-            for mine, theirs in zip(cache.layers[:depth], part.layers[:depth]):
-                mine.keys[:, :, a:b], mine.values[:, :, a:b] = theirs.keys[:, :, a:b], theirs.values[:, :, a:b]
-        return cache
-
-    def _calibration_ids(self) -> Sequence[int]:
+        alone (:func:`kvmemory.selection.exposure.removed_exposure`). ``[S]`` fp32."""
         if self.calibration_ids is None:
             raise ValueError("the exposure allocator fits its query predictor on a tokenized calibration text: "
                              "build RepairSignals with calibration_ids (KVSession does)")
-        return self.calibration_ids()
+
+        def compute():
+            return removed_exposure(self.model, self.dirty_cache, self.old_rows(), self.removed_rows(), self.shifter,
+                                    self.calibration_ids())
+
+        return self._once("removed_exposure", compute)
 
     # --------------------------------------------------------- hidden states
     def hidden_norms(self, fraction: float = 1 / 3) -> torch.Tensor:
