@@ -10,10 +10,10 @@ Signals and what computing them would cost at repair time:
 - ``deviation@layer<l>``: the K/V deviation at one layer (needs a clean prefill through l+1 layers);
 - ``deleted_attention@...``: each row's true attention mass on the removed rows (Cache-Craft's
   signal; needs a forward of the dirty suffix through that layer);
-- ``exposure_estimate@layer<l>`` and ``exposure_removed_only``: the same attention with each
+- ``exposure_estimate@layer<l>`` and ``exposure`` (the allocator): the same attention with each
   row's query estimated from its cached K/V (:mod:`kvmemory.selection.exposure`; no forward);
   ``exposure_inserted_only``: the estimated mass on the inserted text in the edited prompt (a
-  forward of the inserted tokens); ``exposure`` (the allocator): the larger of the two;
+  forward of the inserted tokens, :func:`inserted_exposure`), and its max / sum with ``exposure``;
 - ``<signal>@<layer set>`` (``quarters``, ``every4``, ``every2``, ``all``, ...): a signal averaged
   over a set of layers (which layers the estimate should probe);
 - ``sur``, ``template``, ``head+template``, ``nearest_to_*``, ``shift_norm*``: text or cache
@@ -35,12 +35,14 @@ from pathlib import Path
 
 import torch
 
+from kvmemory import kvcache
 from kvmemory.models import load_model
 from kvmemory.policy import RepairPolicy
 from kvmemory.selection import allocators as registry
 from kvmemory.selection.allocators import select
 from kvmemory.selection.exposure import estimated_exposure, probe_layers
-from kvmemory.selection.signals import capture_attention, decoder_layers, eager_attention, forward_at
+from kvmemory.selection.intervals import to_intervals
+from kvmemory.selection.signals import capture_attention, decoder_layers, eager_attention, forward_at, stop_after
 from kvmemory.session import KVSession
 from kvmemory_lab.bench.quality import build_cases
 from kvmemory_lab.demo_cases import default_data_dir
@@ -80,12 +82,35 @@ def deleted_attention_per_layer(signals) -> torch.Tensor:
         q = w.shape[2]
         mass[layer, :q] = w[0][..., deleted].sum(dim=-1).mean(dim=0)[:last] if len(deleted) else 0
 
-    from kvmemory import kvcache
-
     cache = kvcache.new_cache(signals.model.config)
     with eager_attention(signals.model), capture_attention(signals.model, sink):
         forward_at(signals.model, cache, signals.old_ids[:last], 0)
     return mass[:, torch.as_tensor(old_rows)]
+
+
+def inserted_exposure(signals) -> torch.Tensor:
+    """[S]: each stale row's estimated attention mass on the inserted text in the edited prompt.
+
+    The inserted rows (positions of the retained context that no stale row holds) are forwarded
+    span by span through the probed layers on a copy of the Shift cache, each attending to the
+    rows before it; then the stale rows' predicted queries, at their new positions, attend over
+    that cache. With the kept rows' logits unchanged, max(removed mass, inserted mass) is the
+    total-variation distance between a row's dirty and clean attention."""
+    stale = set(signals.eligible)
+    inserted = [p for p in range(signals.exact_prefix, signals.context_end) if p not in stale]
+    if not inserted:
+        return torch.zeros(len(signals.eligible))
+    layers = probe_layers(len(decoder_layers(signals.model)))
+    depth = max(layers) + 1
+    cache = kvcache.clone_cache(signals.shift_cache())
+    for a, b in to_intervals(inserted):
+        part = kvcache.prefix_copy(cache, a)
+        with stop_after(signals.model, depth):
+            forward_at(signals.model, part, signals.token_ids[a:b], a)
+        for mine, theirs in zip(cache.layers[:depth], part.layers[:depth]):
+            mine.keys[:, :, a:b], mine.values[:, :, a:b] = theirs.keys[:, :, a:b], theirs.values[:, :, a:b]
+    return estimated_exposure(signals.model, cache, signals.eligible, inserted, signals.shifter,
+                              signals.calibration_ids(), layers)
 
 
 def template_mask(inp) -> torch.Tensor:
@@ -131,9 +156,10 @@ def analyse(inp, B, signals, seed, record: dict) -> list[int]:
     cands["deleted_attention@layers0-2"] = att[:3].mean(dim=0)
     cands["deleted_attention@upper_half"] = att[L // 2 :].mean(dim=0)
     old_rows, removed = signals.old_rows(), signals.removed_rows()
-    removed_mass, inserted_mass = signals.removed_exposure(), signals.inserted_exposure()
-    cands["exposure (allocator: layers " + ",".join(map(str, probe_layers(L))) + ")"] = removed_mass.maximum(inserted_mass)
-    cands["exposure_removed_only"], cands["exposure_inserted_only"] = removed_mass, inserted_mass
+    removed_mass, inserted_mass = signals.removed_exposure(), inserted_exposure(signals)
+    cands["exposure (allocator: layers " + ",".join(map(str, probe_layers(L))) + ")"] = removed_mass
+    cands["exposure_inserted_only"] = inserted_mass
+    cands["exposure_max(removed,inserted)"] = removed_mass.maximum(inserted_mass)
     cands["exposure_removed+inserted"] = removed_mass + inserted_mass
     estimate = torch.stack([estimated_exposure(signals.model, signals.dirty_cache, old_rows, removed, signals.shifter,
                                                signals.calibration_ids(), layers=[l]) for l in range(L)])

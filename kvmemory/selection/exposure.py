@@ -1,25 +1,21 @@
-"""Exposure to the edit, estimated from the cache alone (our extension beyond the paper).
+"""Exposure to the removed rows, estimated from the cache alone (our extension beyond the paper).
 
-Why: a stale row's K/V is wrong by as much as its attention changed with the edit. If the edit
-leaves the logits of the kept rows alone, the total-variation distance between a row's dirty
-attention and its clean attention is the larger of two masses: what it gave the removed rows
-(in the dirty cache) and what it would give the inserted rows (new text, in the edited prompt).
-Cache-Craft's signal (Table 1, Cache-Craft-Adapted) measures the first by replaying the dirty
-suffix, which costs more than Replay. On Qwen2.5-0.5B Erasing-NIAH the rows it ranks first hold
-most of the clean-state oracle's K/V deviation, where SUR's do not
+Why: a stale row's K/V is wrong by as much as that row attended to what the edit removed.
+Cache-Craft's signal (Table 1, Cache-Craft-Adapted) measures that attention by replaying the
+dirty suffix, which costs more than Replay. On Qwen2.5-0.5B Erasing-NIAH the rows it ranks first
+hold most of the clean-state oracle's K/V deviation, where SUR's do not
 (``benchmarks/results/oracle_row_overlap/``).
 
-This module estimates both masses without a forward over the stale rows. A row's cached key
+This module estimates the same attention without a forward over the prompt. A row's cached key
 and value at layer l are functions of its normalised hidden state, and so is its query: the
 query is predicted from ``[k; v]`` (key un-rotated) by a linear map fitted once per model and
 layer (ridge regression on a fixed calibration text, :data:`CALIBRATION_TEXT`, a forward of
 about 550 tokens through the probed layers). The predicted query, rotated to the row's
-position, attends over a cache's keys of that layer; the score is the mass on the target rows,
-averaged over heads and the probed layers (every other layer, :func:`probe_layers`). For the
-removed rows that cache is the dirty one; for the inserted rows it is the Shift cache with the
-inserted text forwarded (:meth:`kvmemory.selection.signals.RepairSignals.inserted_exposure`:
-the only forward, over the inserted tokens). Per repair: ``S × N`` attention logits per head,
-probed layer and frame.
+position, attends over the cache's keys of that layer; the score is the mass on the target
+rows (the removed ones), averaged over heads and the probed layers (every other layer,
+:func:`probe_layers`). Per repair: ``S × N`` attention logits per head and probed layer; no
+decoder layer runs. (Scoring the inserted text as well, in the edited prompt, was measured and
+changed no answer: ``benchmarks/results/fidelity_qwen/README.md``.)
 
 It is a selector: it chooses which rows the exact refresh recomputes; a poor estimate costs
 fidelity, never exactness of the rows refreshed.

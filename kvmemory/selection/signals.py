@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from .. import kvcache
 from ..edits import ReuseRun
-from .exposure import removed_exposure
+from .exposure import estimated_exposure
 
 SHALLOW_LAYERS = 2  # CacheBlend / A3: "fresh two-layer edited prefill", layer 1 is read
 
@@ -330,14 +330,14 @@ class RepairSignals:
 
     def removed_exposure(self) -> torch.Tensor:
         """Each stale row's estimated attention mass on the removed rows, from the dirty cache
-        alone (:func:`kvmemory.selection.exposure.removed_exposure`). ``[S]`` fp32."""
+        alone (:func:`kvmemory.selection.exposure.estimated_exposure`). ``[S]`` fp32."""
         if self.calibration_ids is None:
             raise ValueError("the exposure allocator fits its query predictor on a tokenized calibration text: "
                              "build RepairSignals with calibration_ids (KVSession does)")
 
         def compute():
-            return removed_exposure(self.model, self.dirty_cache, self.old_rows(), self.removed_rows(), self.shifter,
-                                    self.calibration_ids())
+            return estimated_exposure(self.model, self.dirty_cache, self.old_rows(), self.removed_rows(), self.shifter,
+                                      self.calibration_ids())
 
         return self._once("removed_exposure", compute)
 
