@@ -84,7 +84,7 @@ def test_estimate_ranks_rows_as_the_true_attention_on_the_real_model(real):
     k = len(old_rows) // 10
     for layer in probe_layers(real.model.config.num_hidden_layers):
         est = estimated_exposure(real.model, session.cache, old_rows, removed, shifter, _calibration(real.tokenizer),
-                               layers=[layer])
+                                 layers=[layer])
         true = _true_exposure(real.model, session.token_ids, old_rows, removed, layer)
         overlap = len(set(est.topk(k).indices.tolist()) & set(true.topk(k).indices.tolist())) / k
         assert overlap >= 0.5, (layer, overlap)
