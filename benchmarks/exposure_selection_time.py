@@ -1,7 +1,8 @@
 """How long does the ``exposure`` allocator's selection take on one real case? (a lab timing)
 
 Prefills one Erasing-NIAH case's history, then times
-:func:`kvmemory.selection.exposure.estimated_exposure` on the removed rows over the default probe layers (the query predictors fitted beforehand, as a warm session has them).
+:func:`kvmemory.selection.exposure.estimated_exposure` on the removed rows over the default probe
+layers (the query predictors fitted beforehand, as a warm session has them).
 With ``--reference PATH`` (a copy of another version of ``exposure.py``, e.g.
 ``git show <rev>:kvmemory/selection/exposure.py > /tmp/exposure_ref.py``) the two versions run in
 interleaved trials and their scores are compared.
