@@ -2,6 +2,7 @@
 (``q4_1_int8``): each linear of one layer and the head (one row and a few rows), the whole
 one-token step at several cache lengths, and the split of a 2 K-row step into linears, head,
 attention over the cached rows and the rest (norms, RoPE, activation quantization, copies).
+Without VNNI (an AVX2 build, e.g. ``KVMEMORY_ISA=avx2``) only ``q4_1`` is profiled.
 
 Times are medians of CPU time (``time.process_time``; with one thread this is the thread's own
 time, so a busy neighbour inflates it less than wall time) unless ``--threads`` > 1, where wall
@@ -38,7 +39,7 @@ def median_ms(fn, repeats: int, clock) -> float:
     return statistics.median(times) * 1e3
 
 
-def linear_times(engine, clock, repeats: int) -> list[dict]:
+def linear_times(engine, clock, repeats: int, int8: bool) -> list[dict]:
     layer = engine.layers[0]
     rows = []
     for name, blocks in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up), ("down", layer.down), ("head", engine.head)):
@@ -50,7 +51,7 @@ def linear_times(engine, clock, repeats: int) -> list[dict]:
             rows.append({
                 "linear": name, "out": out_features, "in": in_features, "rows": m,
                 "fp32_blocks_ms": median_ms(lambda: blocks(x), reps, clock),
-                "int8_blocks_ms": median_ms(lambda: blocks(x, int8=True), reps, clock),
+                "int8_blocks_ms": median_ms(lambda: blocks(x, int8=True), reps, clock) if int8 else None,
                 "dense_fp32_ms": median_ms(lambda: x @ dense.T, max(5, reps // 4), clock),
             })
     return rows
@@ -103,13 +104,15 @@ def main() -> None:
     from kvmemory import load_model
     from kvmemory import kvcache
     from kvmemory.engine import engine_for
+    from kvmemory.engine.quantized import kernel
 
     load_before = [round(x, 2) for x in os.getloadavg()]
-    result = {"threads": args.threads, "clock": clock.__name__, "load_before": load_before, "engines": {}}
-    for name in ENGINES:
+    vnni = kernel().has_vnni()
+    result = {"threads": args.threads, "clock": clock.__name__, "isa": kernel().isa(), "load_before": load_before, "engines": {}}
+    for name in ENGINES if vnni else ENGINES[:1]:
         lm = load_model(engine=name)
         engine = engine_for(lm.model, kvcache.new_cache(lm.model.config))
-        linears = linear_times(engine, clock, args.repeats)
+        linears = linear_times(engine, clock, args.repeats, vnni)
         steps = step_times(engine, clock, max(5, args.repeats // 10))
         overhead = forward_rows_overhead(lm, engine, clock, max(5, args.repeats // 10)) - steps[min(CONTEXTS)]
         result["engines"][name] = {
@@ -125,9 +128,10 @@ def main() -> None:
 
 
 def markdown(result: dict) -> str:
-    exact, fast = result["engines"]["q4_1"], result["engines"]["q4_1_int8"]
+    engines = result["engines"]
+    first = next(iter(engines.values()))
     lines = [
-        f"# Decode profile: q4_1 (fp32 activations) vs q4_1_int8 (int8 activations, VNNI)",
+        f"# Decode profile: {' vs '.join(engines)} ({result.get('isa', '?')} kernel build)",
         "",
         f"{result['threads']} thread(s), medians of {result['clock']}; load {result['load_before']} before, "
         f"{result['load_after']} after.",
@@ -135,16 +139,17 @@ def markdown(result: dict) -> str:
         "| linear [out x in] | rows | fp32 blocks ms | int8 blocks ms | speed-up | dense fp32 ms |",
         "|---|---|---|---|---|---|",
     ]
-    for r in fast["linears"]:
+    for r in first["linears"]:
+        int8 = r["int8_blocks_ms"]
         lines.append(f"| {r['linear']} [{r['out']} x {r['in']}] | {r['rows']} | {r['fp32_blocks_ms']:.3f} | "
-                     f"{r['int8_blocks_ms']:.3f} | {r['fp32_blocks_ms'] / r['int8_blocks_ms']:.2f}x | {r['dense_fp32_ms']:.3f} |")
+                     + (f"{int8:.3f} | {r['fp32_blocks_ms'] / int8:.2f}x" if int8 else "– | –") + f" | {r['dense_fp32_ms']:.3f} |")
     lines += ["", "| one decoded token (LlamaDecoder.step), ms | " + " | ".join(f"{n} rows" for n in CONTEXTS) + " |",
               "|---|" + "---|" * len(CONTEXTS)]
-    for name, data in (("q4_1", exact), ("q4_1_int8", fast)):
+    for name, data in engines.items():
         lines.append(f"| {name} | " + " | ".join(f"{data['step_ms'][n]:.2f}" for n in CONTEXTS) + " |")
     lines += ["", "| split of a step, ms | linears (30 layers) | head | attention at 2 K | attention at 8 K | rest | forward_rows around the step |",
               "|---|---|---|---|---|---|---|"]
-    for name, data in (("q4_1", exact), ("q4_1_int8", fast)):
+    for name, data in engines.items():
         b = data["breakdown"]
         lines.append(f"| {name} | {b['linears_ms']:.2f} | {b['head_ms']:.2f} | {b['attention_2k_ms']:.2f} | "
                      f"{b['attention_8k_ms']:.2f} | {b['rest_ms']:.2f} | {data['python_overhead_ms']:.2f} |")
