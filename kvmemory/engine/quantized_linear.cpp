@@ -1532,8 +1532,9 @@ void group_scores(const float* qs, const float* k, int64_t n, float* S) {
 
 // group_weighted_rows for AVX2: G heads * D outputs need up to 64 accumulators, more than the 16
 // registers, so the columns are done W vectors (8W floats) at a time, 12 accumulators at most,
-// over blocks of 32 value rows (8-16 KB, still in L1 for the next columns; 64-row blocks were
-// ~20 % slower at 2 K rows on Zen 4, 8-row blocks too). Each output still sums its rows in order.
+// over blocks of 32 value rows (8-16 KB, still in L1 for the next columns; in a micro-benchmark
+// of this pass over 2 K rows on Zen 4, 64-row and 8-row blocks were ~20 % slower). Each output
+// still sums its rows in order.
 template <int G, int D>
 void group_weighted_rows(const float* P, const float* v, int64_t n, float* out) {
   constexpr int W = G * 8 <= 12 ? 8 : (G * 4 <= 12 ? 4 : 2);
