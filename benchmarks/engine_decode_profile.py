@@ -142,7 +142,7 @@ def markdown(result: dict) -> str:
     for r in first["linears"]:
         int8 = r["int8_blocks_ms"]
         lines.append(f"| {r['linear']} [{r['out']} x {r['in']}] | {r['rows']} | {r['fp32_blocks_ms']:.3f} | "
-                     + (f"{int8:.3f} | {r['fp32_blocks_ms'] / int8:.2f}x" if int8 else "– | –") + f" | {r['dense_fp32_ms']:.3f} |")
+                     + (f"{int8:.3f} | {r['fp32_blocks_ms'] / int8:.2f}x" if int8 is not None else "– | –") + f" | {r['dense_fp32_ms']:.3f} |")
     lines += ["", "| one decoded token (LlamaDecoder.step), ms | " + " | ".join(f"{n} rows" for n in CONTEXTS) + " |",
               "|---|" + "---|" * len(CONTEXTS)]
     for name, data in engines.items():
