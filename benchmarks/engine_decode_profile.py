@@ -18,25 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from kvmemory_lab.bench.common import median_ms
+
 ENGINES = ("q4_1", "q4_1_int8")
 CONTEXTS = (16, 512, 2048, 8192)
 FEW_ROWS = 8
-
-
-def median_ms(fn, repeats: int, clock) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return statistics.median(times) * 1e3
 
 
 def linear_times(engine, clock, repeats: int, int8: bool) -> list[dict]:

@@ -15,27 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
 from kvmemory.engine.quantized import kernel, kernel_isa
-from kvmemory_lab.bench.common import load_average, machine_name, simd_flags
+from kvmemory_lab.bench.common import load_average, machine_name, median_ms, simd_flags
 
 K = 576
 SIZES = ((256, 2000, "in L2"), (3072, 500, "gate_up"), (196_608, 15, "beyond L3"))  # (rows, repeats, label)
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def random_blocks(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -50,13 +39,13 @@ def measure(threads: int) -> list[dict]:
     for rows, repeats, label in SIZES:
         codes, scales, mins = random_blocks(rows)
         nbytes = codes.numel() + 4 * (scales.numel() + mins.numel())
-        s = median_s(lambda: lib.q4_1_linear(x, codes, scales, mins), repeats)
-        out.append({"threads": threads, "what": f"q4_1_linear, {label}", "rows": rows, "ms": s * 1e3,
-                    "gb_s": nbytes / s / 1e9, "g_blocks_s": rows * K / 32 / s / 1e9})
+        ms = median_ms(lambda: lib.q4_1_linear(x, codes, scales, mins), repeats)
+        out.append({"threads": threads, "what": f"q4_1_linear, {label}", "rows": rows, "ms": ms,
+                    "gb_s": nbytes / ms / 1e6, "g_blocks_s": rows * K / 32 / ms / 1e6})
     stream = torch.rand(nbytes // 4)  # the big matrix's bytes, read once by a plain reduction
-    s = median_s(stream.sum, 15)
-    out.append({"threads": threads, "what": "torch.sum, the same bytes (fp32)", "rows": None, "ms": s * 1e3,
-                "gb_s": stream.numel() * 4 / s / 1e9, "g_blocks_s": None})
+    ms = median_ms(stream.sum, 15)
+    out.append({"threads": threads, "what": "torch.sum, the same bytes (fp32)", "rows": None, "ms": ms,
+                "gb_s": stream.numel() * 4 / ms / 1e6, "g_blocks_s": None})
     return out
 
 

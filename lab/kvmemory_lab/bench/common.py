@@ -1,10 +1,12 @@
-"""Helpers shared by the benchmark modules: option types, machine facts, ratios and the plot backend."""
+"""Helpers shared by the benchmark modules: option types, machine facts, timing, ratios and the plot backend."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import platform
+import statistics
+import time
 from pathlib import Path
 
 
@@ -60,6 +62,18 @@ def simd_flags() -> list[str]:
         return []
     flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.split(":")[0].strip() in ("flags", "Features")), set())
     return [flag for flag in SIMD_FLAGS if flag in flags]
+
+
+def median_ms(fn, repeats: int, clock=time.perf_counter) -> float:
+    """Median ms of ``repeats`` calls of ``fn`` after one untimed warm-up call (``clock``:
+    ``time.perf_counter`` for wall time, ``time.process_time`` for this process's CPU time)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times) * 1e3
 
 
 def time_ratio(median: dict, num, den) -> str:
